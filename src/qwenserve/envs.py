@@ -1,0 +1,80 @@
+"""The only reader of ``os.environ``.
+
+Every setting has a ``QWENSERVE_*`` name and, where vLLM users already set one, the ``VLLM_*`` name
+as a fallback, so existing deployment scripts keep working. Values are read at call time (not at
+import) so tests and launchers can change them.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _get(name: str, vllm_name: str | None = None, default: str | None = None) -> str | None:
+    value = os.environ.get(f"QWENSERVE_{name}")
+    if value is None and vllm_name is not None:
+        value = os.environ.get(vllm_name)
+    return default if value is None or value == "" else value
+
+
+def _flag(name: str, vllm_name: str | None = None) -> bool:
+    value = _get(name, vllm_name)
+    return value is not None and value.strip().lower() in _TRUE
+
+
+def logging_level() -> str:
+    return (_get("LOGGING_LEVEL", "VLLM_LOGGING_LEVEL", "INFO") or "INFO").upper()
+
+
+def cpu_kvcache_space_gib() -> float | None:
+    """KV cache size on CPU in GiB (``QWENSERVE_CPU_KVCACHE_SPACE`` / ``VLLM_CPU_KVCACHE_SPACE``)."""
+    value = _get("CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
+    if value is None:
+        return None
+    try:
+        gib = float(value)
+    except ValueError as e:
+        raise ValueError(
+            f"QWENSERVE_CPU_KVCACHE_SPACE={value!r} is not a number of GiB; set it to e.g. 4"
+        ) from e
+    if gib < 0:
+        raise ValueError(f"QWENSERVE_CPU_KVCACHE_SPACE={value!r} must be >= 0 GiB")
+    return gib or None  # vLLM treats 0 as "unset"
+
+
+def use_modelscope() -> bool:
+    return _flag("USE_MODELSCOPE", "VLLM_USE_MODELSCOPE")
+
+
+def api_key() -> str | None:
+    return _get("API_KEY", "VLLM_API_KEY")
+
+
+def platform_override() -> str | None:
+    return _get("PLATFORM")
+
+
+def allow_long_max_model_len() -> bool:
+    return _flag("ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def hf_hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def cache_dir() -> str:
+    """Where qwenserve keeps derived files (e.g. tokenizers converted from GGUF)."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "qwenserve")
+    return _get("CACHE_DIR", None, default) or default
+
+
+def worker_multiproc_method() -> str:
+    return _get("WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD", "spawn") or "spawn"
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """Read any other environment variable (e.g. ``MASTER_ADDR``) through this one module."""
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
