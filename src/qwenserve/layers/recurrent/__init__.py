@@ -1,1 +1,31 @@
+"""Gated DeltaNet (Qwen3.5 linear-attention) kernels: the seam in ``base``, the reference in
+``torch_ref``/``delta_rule``, and the gated RMSNorm that ends the layer."""
 
+from __future__ import annotations
+
+from qwenserve.layers.recurrent.base import (
+    DEFAULT_CHUNK_SIZE,
+    GDNMetadata,
+    RecurrentBackend,
+    build_gdn_metadata,
+)
+from qwenserve.layers.recurrent.gated_norm import RMSNormGated, rms_norm_gated
+from qwenserve.layers.recurrent.torch_ref import (
+    TorchRefRecurrentBackend,
+    causal_conv1d_varlen,
+    gated_delta_net_forward,
+    gdn_gating,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "GDNMetadata",
+    "RMSNormGated",
+    "RecurrentBackend",
+    "TorchRefRecurrentBackend",
+    "build_gdn_metadata",
+    "causal_conv1d_varlen",
+    "gated_delta_net_forward",
+    "gdn_gating",
+    "rms_norm_gated",
+]

@@ -1,0 +1,118 @@
+"""Cache memory plan: pure arithmetic shared by the engine and ``qwenserve plan``.
+
+State slots come first (a fixed size per running sequence), KV blocks take the rest. The planner
+and the engine call the same function, so their figures never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How a cache memory budget is split."""
+
+    budget_bytes: int
+    block_size: int
+    kv_bytes_per_token: int
+    state_bytes_per_seq: int
+    num_blocks: int
+    num_state_slots: int  # 0 for models without recurrent layers
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_bytes_per_seq
+
+    def max_concurrency(self, max_model_len: int) -> float:
+        """How many sequences of ``max_model_len`` tokens fit at once (vLLM's log figure)."""
+        per_seq_blocks = -(-max_model_len // self.block_size)
+        by_kv = self.num_blocks / per_seq_blocks if per_seq_blocks else float("inf")
+        if self.num_state_slots:
+            return min(by_kv, float(self.num_state_slots))
+        return by_kv
+
+    def summary(self, max_model_len: int) -> str:
+        return (
+            f"KV cache: {self.kv_bytes_per_token} bytes/token, {self.num_blocks} blocks of "
+            f"{self.block_size} tokens = {self.token_capacity:,} tokens "
+            f"({self.kv_bytes / GIB:.2f} GiB); maximum concurrency for {max_model_len:,} tokens "
+            f"per request: {self.max_concurrency(max_model_len):.2f}x"
+            + (
+                f"; recurrent state: {self.state_bytes_per_seq} bytes/sequence x "
+                f"{self.num_state_slots} slots ({self.state_bytes / GIB:.2f} GiB)"
+                if self.num_state_slots
+                else ""
+            )
+        )
+
+
+class CacheTooSmallError(ValueError):
+    """The budget cannot hold one sequence of ``max_model_len`` tokens."""
+
+
+def kv_bytes_per_token(specs: list[CacheSpec]) -> int:
+    return sum(s.bytes_per_token for s in specs if isinstance(s, PagedKVSpec))
+
+
+def state_bytes_per_seq(specs: list[CacheSpec]) -> int:
+    return sum(s.bytes_per_seq for s in specs if isinstance(s, RecurrentStateSpec))
+
+
+def plan_cache(
+    specs: list[CacheSpec],
+    budget_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> CachePlan:
+    """Split ``budget_bytes`` into state slots and KV blocks; raise if one sequence cannot fit."""
+    per_token = kv_bytes_per_token(specs)
+    per_seq = state_bytes_per_seq(specs)
+    # One extra slot: slot 0 is the null slot that padding rows point at.
+    num_slots = max_num_seqs + 1 if per_seq else 0
+    remaining = budget_bytes - num_slots * per_seq
+    if per_seq and remaining < 0:
+        raise CacheTooSmallError(
+            f"The cache budget of {budget_bytes / GIB:.2f} GiB cannot hold the recurrent state of "
+            f"{max_num_seqs} sequences ({per_seq:,} bytes each). Lower --max-num-seqs or increase "
+            "--kv-cache-memory-bytes / QWENSERVE_CPU_KVCACHE_SPACE or --gpu-memory-utilization."
+        )
+    num_blocks = remaining // (block_size * per_token) if per_token else 0
+    plan = CachePlan(budget_bytes, block_size, per_token, per_seq, int(num_blocks), num_slots)
+    if per_token and plan.token_capacity < max_model_len:
+        need_gib = (-(-max_model_len // block_size) * block_size * per_token + num_slots * per_seq)
+        raise CacheTooSmallError(
+            f"KV cache of {plan.token_capacity:,} tokens cannot hold one sequence of "
+            f"max_model_len={max_model_len:,} tokens ({per_token:,} bytes/token; budget "
+            f"{budget_bytes / GIB:.2f} GiB, needed at least {need_gib / GIB:.2f} GiB). Either "
+            "increase --kv-cache-memory-bytes / QWENSERVE_CPU_KVCACHE_SPACE or "
+            "--gpu-memory-utilization, or lower --max-model-len "
+            f"(at most {plan.token_capacity:,} fits)."
+        )
+    return plan
+
+
+def largest_max_model_len(specs: list[CacheSpec], budget_bytes: int, block_size: int,
+                          max_num_seqs: int) -> int:
+    """The longest sequence that fits the budget (``--max-model-len`` upper bound)."""
+    per_token = kv_bytes_per_token(specs)
+    per_seq = state_bytes_per_seq(specs)
+    remaining = budget_bytes - (max_num_seqs + 1 if per_seq else 0) * per_seq
+    if remaining <= 0:
+        return 0
+    if not per_token:
+        return 1 << 62
+    return int(remaining // (block_size * per_token)) * block_size

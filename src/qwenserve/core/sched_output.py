@@ -1,0 +1,71 @@
+"""Messages from the scheduler to the workers and back: plain data, built-in types only.
+
+They cross process boundaries under tensor parallelism, so they carry no tensors and no behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qwenserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen, or one resuming after preemption (state rebuilt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    state_slot: int | None
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens one request computes this step.
+
+    ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``; a decode is a
+    chunk of one token. ``sample`` is true when the chunk reaches the request's last known token,
+    so the logits at its end give the next token (an intermediate prefill chunk samples nothing).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    new_block_ids: list[int]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # batch order
+    finished_request_ids: list[str] = field(default_factory=list)  # drop their worker state
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    """What the sampler produced for one request at the end of its chunk."""
+
+    token_id: int
+    logprob: float | None = None  # of the sampled token, when logprobs were asked for
+    rank: int | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+@dataclass
+class ModelOutput:
+    """Rank 0's answer to a SchedulerOutput: one sample per chunk with ``sample=True``."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)

@@ -1,0 +1,215 @@
+"""Continuous-batching scheduler (pure Python, no torch).
+
+Every step packs work under ONE token budget (``max_num_batched_tokens``) and ``max_num_seqs``:
+running requests first (a decode takes 1 token, an unfinished prefill takes its next chunk), then
+waiting requests in arrival order (FCFS; a long prompt is prefilled over several steps). When the
+cache runs out of blocks, the most recently admitted running request is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later. Nothing is lost: its
+output tokens are kept and recomputed as part of its prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from qwenserve.core.cache.manager import CacheManager
+from qwenserve.core.sched_output import (
+    ModelOutput,
+    NewRequestData,
+    SampledToken,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from qwenserve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: its new token and whether it finished."""
+
+    request: Request
+    new_token: SampledToken
+    finished: bool
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    finished: list[Request] = field(default_factory=list)  # since the last stats() call
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, cache: CacheManager) -> None:
+        self.limits = limits
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # workers drop their state for these next step
+        self._finished: list[Request] = []  # for stats, drained by stats()
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus,
+                        stop_reason: int | str | None = None) -> list[Request]:
+        """Finish (e.g. abort, or a stop string found) requests wherever they are."""
+        finished = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.stop_reason = stop_reason
+            self._finish(req, status)
+            finished.append(req)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget)
+        now = time.time()
+        for chunk in out.chunks:
+            req = self.requests[chunk.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.cache.allocate(req, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()  # the most recently admitted, never one scheduled
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is req:
+                    return budget
+                new_blocks = self.cache.allocate(req, num_new)
+            out.chunks.append(self._chunk(req, num_new, new_blocks))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks = self.cache.lookup_prefix(req)
+            num_hit = len(hit_blocks) * self.cache.block_size
+            num_new = min(req.num_tokens - num_hit, budget)
+            if self.cache.allocate(req, num_new, hit_blocks) is None:
+                break  # FCFS: later requests wait behind this one
+            self.waiting.popleft()
+            self.cache.record_prefix_query(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.new_requests.append(NewRequestData(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=list(self.cache.block_ids(req.request_id)),
+                state_slot=self.cache.state_slot(req.request_id),
+            ))
+            out.chunks.append(self._chunk(req, num_new, []))
+            budget -= num_new
+
+    def _chunk(self, req: Request, num_new: int, new_blocks: list[int]) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.token_ids_slice(start, start + num_new),
+            start_pos=start,
+            new_block_ids=new_blocks,
+            sample=start + num_new == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after the forward pass ---------------------------------------------------------------
+    def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[RequestUpdate]:
+        updates = []
+        for chunk in sched_out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or preempted since it was scheduled
+            req.num_computed_tokens += len(chunk.token_ids)
+            self.cache.cache_full_blocks(req)
+            if not chunk.sample:
+                continue
+            token = model_out.sampled[req.request_id]
+            req.output_token_ids.append(token.token_id)
+            status = self._stop_status(req, token.token_id)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            updates.append(RequestUpdate(req, token, status is not None))
+        return updates
+
+    def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if token_id in params.all_stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
+            if token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.cache.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+        self._finished.append(req)
+
+    # ---- observation --------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        finished, self._finished = self._finished, []
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.cache.usage(),
+            prefix_cache_queries=self.cache.stats.queries,
+            prefix_cache_hits=self.cache.stats.hits,
+            num_preemptions=self.num_preemptions,
+            finished=finished,
+        )

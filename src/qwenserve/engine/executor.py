@@ -1,0 +1,46 @@
+"""Executors run a SchedulerOutput on every rank and return rank 0's ModelOutput.
+
+``UniprocExecutor`` drives one in-process Worker; the multi-process tensor-parallel executor
+implements the same three methods.
+"""
+
+from __future__ import annotations
+
+from qwenserve.config import EngineConfig
+from qwenserve.core.cache.plan import CachePlan
+from qwenserve.core.sched_output import ModelOutput, SchedulerOutput
+from qwenserve.worker.worker import Worker
+
+
+class UniprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.worker.load_model()
+        self.specs = self.worker.specs
+        self.load_s = self.worker.load_s
+
+    def plan_cache(self) -> CachePlan:
+        return self.worker.plan()
+
+    def init_cache(self, plan: CachePlan) -> None:
+        self.worker.init_cache(plan)
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        return self.worker.execute(sched)
+
+    def weight_bytes(self) -> int:
+        return self.worker.weight_bytes()
+
+    def describe_device(self) -> str:
+        return self.worker.platform.describe(self.worker.device)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in-process."""
+
+
+def make_executor(config: EngineConfig):
+    if config.parallel.tensor_parallel_size > 1:
+        from qwenserve.engine.mp_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    return UniprocExecutor(config)

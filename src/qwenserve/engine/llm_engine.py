@@ -1,0 +1,157 @@
+"""LLMEngine: add requests, step, get outputs. The loop both the offline LLM and the server run.
+
+    add_request -> Scheduler (waiting) -> step(): schedule -> execute -> update -> detokenize
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from qwenserve.config import EngineArgs, EngineConfig
+from qwenserve.core.cache.manager import CacheManager
+from qwenserve.core.scheduler import Scheduler
+from qwenserve.engine.executor import make_executor
+from qwenserve.engine.output_processor import OutputProcessor
+from qwenserve.logger import init_logger
+from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
+from qwenserve.outputs import RequestOutput
+from qwenserve.request import Request, RequestStatus
+from qwenserve.sampling_params import SamplingParams
+from qwenserve.tokenizer import load_tokenizer
+
+logger = init_logger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit ``max_model_len`` (vLLM's wording, so clients can match it)."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, stat_loggers: list[Any] | None = None) -> None:
+        start = time.perf_counter()
+        self.config = config
+        mc = config.model
+        self.tokenizer = load_tokenizer(mc)
+        self.executor = make_executor(config)
+        self.plan = self.executor.plan_cache()
+        self.executor.init_cache(self.plan)
+        self.cache = CacheManager(self.plan.num_blocks, config.cache.block_size,
+                                  config.cache.enable_prefix_caching, self.plan.num_state_slots)
+        if config.cache.enable_prefix_caching and not self.cache.enable_prefix_caching:
+            logger.info("Prefix caching is off for %s: its recurrent (Gated DeltaNet) state "
+                        "cannot be rebuilt from cached KV blocks", mc.architecture)
+        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.stat_loggers = list(stat_loggers or [])
+        self._pending_aborts: list[FinishedRequestStats] = []
+        self.startup_s = time.perf_counter() - start
+        self._log_startup()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        return cls(args.create_engine_config(), **kwargs)
+
+    def _log_startup(self) -> None:
+        mc, sched = self.config.model, self.config.scheduler
+        logger.info("Model %s (%s) loaded in %.1f s: %s, %.2f GiB of weights on %s",
+                    mc.name, mc.architecture, self.executor.load_s, mc.dtype,
+                    self.executor.weight_bytes() / 2**30, self.executor.describe_device())
+        logger.info(self.plan.summary(sched.max_model_len))
+        logger.info("Engine ready in %.1f s (max_model_len=%d, max_num_seqs=%d, "
+                    "max_num_batched_tokens=%d, prefix caching %s)", self.startup_s,
+                    sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,
+                    "on" if self.cache.enable_prefix_caching else "off")
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request (``arrival_time`` is ``time.monotonic()``-based)."""
+        if self.outputs.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids)
+        params = self._finalize_params(params)
+        max_len = self.config.scheduler.max_model_len
+        room = max(max_len - len(prompt_token_ids), 1)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for child_id in self.outputs.add_request(request_id, prompt, prompt_token_ids, params,
+                                                 arrival):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + int(child_id.split("_", 1)[0]))
+            self.scheduler.add_request(Request(child_id, list(prompt_token_ids), child_params,
+                                               max_tokens, arrival_time=arrival))
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        max_len = self.config.scheduler.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty; give at least one token")
+        if len(prompt_token_ids) > max_len:
+            raise PromptTooLongError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                f"model length of {max_len}. Make sure that `max_model_len` is no smaller than "
+                "the number of text tokens.")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab})")
+
+    def _finalize_params(self, params: SamplingParams) -> SamplingParams:
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} is more than the engine's max_logprobs "
+                             f"({self.config.max_logprobs}); ask for fewer or raise "
+                             "--max-logprobs")
+        params = params.clone()
+        params.all_stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= set(self.config.model.eos_token_ids)
+        return params
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            children = self.outputs.abort(request_id)
+            for req in self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED):
+                self._pending_aborts.append(FinishedRequestStats(
+                    "abort", time.monotonic() - req.arrival_time, 0.0, 0.0, 0.0,
+                    req.num_prompt_tokens, req.num_output_tokens, req.max_tokens))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        model_out = self.executor.execute(sched_out)
+        updates = self.scheduler.update(sched_out, model_out)
+        stats = IterationStats(num_scheduled_tokens=sched_out.num_scheduled_tokens)
+        outputs, stopped = self.outputs.process(updates, stats)
+        for child_id, stop in stopped.items():
+            self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED, stop)
+        stats.finished.extend(self._pending_aborts)
+        self._pending_aborts = []
+        self._record(stats)
+        return outputs
+
+    def _record(self, iteration: IterationStats) -> None:
+        if not self.stat_loggers:
+            self.scheduler.stats()  # drain the finished list
+            return
+        s = self.scheduler.stats()
+        engine_stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
+                                   s.prefix_cache_queries, s.prefix_cache_hits,
+                                   s.num_preemptions, iteration)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(engine_stats)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.cache.reset_prefix_cache()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

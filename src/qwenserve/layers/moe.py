@@ -1,0 +1,237 @@
+"""Mixture-of-experts layers (Qwen3-MoE, Qwen3.5-MoE, Qwen2-MoE style): routing and grouped experts.
+
+Experts are stacked parameters, ``w13`` [E, 2*I, H] (gate rows, then up rows) and ``w2`` [E, H, I],
+so a faster backend (grouped GEMM, torch_npu's grouped matmul) can take them as they are. The
+reference groups token-expert pairs by expert and runs one SwiGLU per active expert.
+
+Sharding (for tensor / expert parallelism later): a ``MoEShard`` says which experts and which
+slice of the intermediate dimension this rank holds. The loaders slice full checkpoint tensors
+into it, and ``forward`` returns this rank's partial sum (routes to experts held elsewhere are
+skipped); the caller all-reduces. With the default shard the layer is complete.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SHARED = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}
+
+
+def route_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's Qwen3-MoE / Qwen3.5-MoE router: softmax over ALL experts in fp32, top-k, optional
+    renormalisation (Qwen3.5-MoE always; Qwen3-MoE per ``norm_topk_prob``), weights cast back
+    to the logits' dtype. router_logits [T, E] -> (weights [T, k], expert ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with w13 [2*I, H] (gate rows first) and w2 [H, I]."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I] each
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_start: int = 0,
+) -> torch.Tensor:
+    """Sum of the routed experts' outputs: x [T, H], topk_* [T, k] (global expert ids; this rank
+    holds experts ``expert_start .. expert_start + w13.shape[0] - 1``) -> [T, H].
+
+    The T*k (token, expert) pairs are sorted by expert so each expert's tokens are contiguous:
+
+        pairs (token*k + j)  0:e5 1:e2 2:e2 3:e7      sorted: e2 [1, 2] | e5 [0] | e7 [3]
+        token of pair p = p // k;  results are weighted and index_add_-ed back to their token
+    """
+    num_tokens, top_k = topk_ids.shape
+    local = topk_ids.reshape(-1) - expert_start  # [T*k]
+    pairs = torch.arange(num_tokens * top_k, device=x.device)  # [T*k]
+    held = (local >= 0) & (local < w13.shape[0])
+    local, pairs = local[held], pairs[held]
+    order = torch.argsort(local, stable=True)
+    pairs = pairs[order]  # [P] grouped by expert
+    tokens = pairs // top_k  # [P]
+    counts = torch.bincount(local, minlength=w13.shape[0]).tolist()  # host: per-expert sizes
+    xs = x.index_select(0, tokens)  # [P, H]
+    ys = torch.empty_like(xs)  # [P, H]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            ys[start : start + count] = swiglu(xs[start : start + count], w13[expert], w2[expert])
+            start += count
+    ys = ys * topk_weights.reshape(-1)[pairs, None]
+    return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+
+@dataclass(frozen=True)
+class MoEShard:
+    """What one rank holds: experts ``[expert_start, expert_start + num_local_experts)`` and the
+    ``tp_rank``-th of ``tp_size`` equal slices of every expert's intermediate dimension."""
+
+    expert_start: int = 0
+    num_local_experts: int | None = None  # None: all experts from expert_start
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def local_experts(self, num_experts: int) -> range:
+        count = self.num_local_experts or num_experts - self.expert_start
+        return range(self.expert_start, self.expert_start + count)
+
+    def intermediate_slice(self, intermediate_size: int) -> slice:
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"intermediate size {intermediate_size} not divisible by tp {self.tp_size}"
+            )
+        size = intermediate_size // self.tp_size
+        return slice(self.tp_rank * size, (self.tp_rank + 1) * size)
+
+
+class FusedMoE(nn.Module):
+    """Routed experts as two stacked parameters; ``forward(x, router_logits)``.
+
+    Checkpoint names relative to this module (``...mlp.experts.``), both accepted by
+    ``load_weight``: per-expert ``{e}.gate_proj.weight`` [I, H], ``{e}.up_proj.weight`` [I, H],
+    ``{e}.down_proj.weight`` [H, I]; or fused ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        dtype: torch.dtype | None = None,
+        shard: MoEShard | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.shard = shard or MoEShard()
+        self.experts = self.shard.local_experts(num_experts)
+        self.i_slice = self.shard.intermediate_slice(intermediate_size)
+        num_local, inter = len(self.experts), self.i_slice.stop - self.i_slice.start
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, inter, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] -> [T, H] (this rank's partial sum when sharded)."""
+        weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
+        return fused_experts(x, self.w13, self.w2, weights, ids, self.experts.start)
+
+    @torch.no_grad()
+    def load_expert(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
+        """Copy one expert's full ``gate``/``up`` [I, H] or ``down`` [H, I] into its local slice;
+        experts held by other ranks are skipped."""
+        if expert_id not in self.experts:
+            return
+        e, inter = expert_id - self.experts.start, self.w2.shape[-1]
+        if shard_id == "down":
+            _check(tensor, (self.hidden_size, self.intermediate_size), f"expert {expert_id} down")
+            self.w2[e].copy_(tensor[:, self.i_slice])
+            return
+        _check(tensor, (self.intermediate_size, self.hidden_size), f"expert {expert_id} {shard_id}")
+        rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}[shard_id]
+        self.w13[e, rows].copy_(tensor[self.i_slice])
+
+    @torch.no_grad()
+    def load_fused(self, kind: str, tensor: torch.Tensor) -> None:
+        """Copy the hub's fused ``gate_up`` [E, 2I, H] or ``down`` [E, H, I] tensor."""
+        full, experts = self.intermediate_size, slice(self.experts.start, self.experts.stop)
+        if kind == "down":
+            _check(tensor, (self.num_experts, self.hidden_size, full), "experts.down_proj")
+            self.w2.copy_(tensor[experts, :, self.i_slice])
+            return
+        _check(tensor, (self.num_experts, 2 * full, self.hidden_size), "experts.gate_up_proj")
+        gate, up = tensor[experts, :full], tensor[experts, full:]
+        self.w13.copy_(torch.cat([gate[:, self.i_slice], up[:, self.i_slice]], dim=1))
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Load a checkpoint tensor by its name relative to this module (either layout)."""
+        if match := _PER_EXPERT.match(name):
+            self.load_expert(int(match[1]), match[2].removesuffix("_proj"), tensor)
+        elif name.removesuffix(".weight") in ("gate_up_proj", "down_proj"):
+            self.load_fused(name.removesuffix(".weight").removesuffix("_proj"), tensor)
+        else:
+            raise KeyError(f"FusedMoE: unexpected weight name {name!r}")
+
+
+def _check(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)}, expected {shape}")
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE feed-forward block: router ``gate`` [E, H], routed ``experts`` and, when
+    ``shared_intermediate_size`` > 0, a SwiGLU ``shared_expert`` scaled by
+    ``sigmoid(shared_expert_gate(x))`` (Qwen3.5-MoE, Qwen2-MoE; Qwen3-MoE has none).
+
+    The shared expert is sliced on the intermediate dimension like the routed experts, so the
+    output stays a partial sum under tensor parallelism; with expert parallelism the caller
+    must add it on one rank only. ``load_weight`` takes names relative to the block (``mlp.``).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        shared_intermediate_size: int = 0,
+        dtype: torch.dtype | None = None,
+        shard: MoEShard | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)  # router
+        self.experts = FusedMoE(
+            num_experts, top_k, hidden_size, intermediate_size, renormalize, dtype, shard
+        )
+        self.shared_expert: FusedMoE | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_intermediate_size:
+            tp = MoEShard(tp_rank=self.experts.shard.tp_rank, tp_size=self.experts.shard.tp_size)
+            # a one-expert FusedMoE holds the shared SwiGLU with the same slicing rules
+            self.shared_expert = FusedMoE(
+                1, 1, hidden_size, shared_intermediate_size, False, dtype, tp
+            )
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            se = self.shared_expert
+            shared = swiglu(x, se.w13[0], se.w2[0])  # [T, H]
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """``gate.weight``, ``experts.*`` (either layout), ``shared_expert.{gate,up,down}_proj
+        .weight``, ``shared_expert_gate.weight``."""
+        if name.startswith("experts."):
+            self.experts.load_weight(name.removeprefix("experts."), tensor)
+        elif name.startswith("shared_expert.") and self.shared_expert is not None:
+            self.shared_expert.load_expert(0, _SHARED[name.removeprefix("shared_expert.")], tensor)
+        elif name == "shared_expert_gate.weight" and self.shared_expert_gate is not None:
+            self.shared_expert_gate.weight.copy_(tensor)
+        elif name == "gate.weight":
+            self.gate.weight.copy_(tensor)
+        else:
+            raise KeyError(f"SparseMoeBlock: unexpected weight name {name!r}")

@@ -1,0 +1,165 @@
+"""The recurrent-state (Gated DeltaNet) kernel seam: per-step metadata and the backend interface.
+
+A step packs every scheduled request "varlen": the new tokens of all requests are concatenated
+into one ``[num_tokens, ...]`` tensor, and ``query_start_loc`` marks each request's span. Each
+request owns one slot in the per-layer state pools; ``has_initial_state`` says whether that slot
+already holds the state after the request's computed tokens (chunked-prefill continuation or
+decode) or must be read as zeros (a fresh request: the slot may hold a previous owner's leftovers).
+Never pad inside a request: a padded step still decays the state and shifts the conv window.
+
+State pools, per Gated DeltaNet layer (allocated by the cache layer, indexed by ``state_slots``):
+
+    conv_state  [num_slots, K-1, conv_dim]   model dtype   the last K-1 raw (pre-conv) inputs,
+                                                           oldest row first (vLLM's "SD" layout)
+    ssm_state   [num_slots, Hv, Dk, Dv]      float32       S of  o_t = S_t^T q_t  (HF's layout)
+
+Token-major conv rows make the state update "keep the last K-1 rows" with no transpose. The ssm
+state keeps HF's layout so HF caches and references compare without a transpose; vLLM's Triton
+kernels use the transpose ``[Hv, Dv, Dk]`` (a backend with such a kernel may transpose its pool).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+@dataclass(frozen=True)
+class GDNMetadata:
+    """Per-step index tensors shared by every Gated DeltaNet layer; built once by the model runner.
+
+    Requests with one new token (decodes) take the vectorised recurrent step; requests with more
+    (prefills and prefill chunks) take the chunked kernel. Each prefill is padded at its end to
+    whole chunks of C tokens. Prefills are sorted by chunk count, longest first, and the chunks
+    laid out step-major, so the chunks that scan step i processes are one contiguous block (the
+    i-th chunk of each of the first ``active_per_step[i]`` prefills):
+
+        packed tokens   | d0 | p1 (5 tokens) | d2 | p3 (150 tokens) |     C = 64
+        sorted prefills   p3 (3 chunks), p1 (1 chunk)          active_per_step = (2, 1, 1)
+        chunk layout    | p3.0  p1.0 | p3.1 | p3.2 |           chunk of (prefill p, step i)
+                          step 0       step 1 step 2             = sum(active_per_step[:i]) + p
+        prefill_padded_pos[j] = chunk * C + position in chunk, for the j-th prefill token
+                                (p3.2 holds 22 tokens + 42 pad rows, p1.0 5 + 59)
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    state_slots: torch.Tensor  # [num_reqs] int64
+    has_initial_state: torch.Tensor  # [num_reqs] bool
+    decode_tokens: torch.Tensor  # [num_decodes] int64, packed row of each 1-token request
+    decode_slots: torch.Tensor  # [num_decodes] int64
+    decode_has_init: torch.Tensor  # [num_decodes] bool
+    prefill_slots: torch.Tensor  # [num_prefills] int64, sorted order
+    prefill_has_init: torch.Tensor  # [num_prefills] bool, sorted order
+    prefill_tokens: torch.Tensor  # [num_prefill_tokens] int64, packed rows
+    prefill_padded_pos: torch.Tensor  # [num_prefill_tokens] int64, rows in the chunk layout
+    active_per_step: tuple[int, ...]  # prefills still running at chunk-scan step i
+    num_chunks: int
+    chunk_size: int
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_tokens.numel()
+
+    @property
+    def num_prefills(self) -> int:
+        return self.prefill_slots.numel()
+
+
+def _host_list(values: Sequence[int] | Sequence[bool] | torch.Tensor) -> list:
+    """Host copy of a small index list; pass CPU data to avoid a device sync per step."""
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
+def build_gdn_metadata(
+    query_start_loc: Sequence[int] | torch.Tensor,
+    state_slots: Sequence[int] | torch.Tensor,
+    has_initial_state: Sequence[bool] | torch.Tensor,
+    device: torch.device | str = "cpu",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> GDNMetadata:
+    """Turn the step's host-side request layout into the index tensors the kernels need."""
+    qsl, slots, init = (_host_list(v) for v in (query_start_loc, state_slots, has_initial_state))
+    lens = [qsl[i + 1] - qsl[i] for i in range(len(slots))]
+    decodes = [i for i, n in enumerate(lens) if n == 1]
+    chunks = {i: -(-n // chunk_size) for i, n in enumerate(lens) if n > 1}
+    prefills = sorted(chunks, key=lambda i: -chunks[i])  # stable: ties keep batch order
+    steps = max(chunks.values(), default=0)
+    active = [sum(1 for i in prefills if chunks[i] > s) for s in range(steps)]
+    step_first = [sum(active[:s]) for s in range(steps)]  # first chunk of each scan step
+    tokens, padded = [], []
+    for p, i in enumerate(prefills):
+        tokens.extend(range(qsl[i], qsl[i + 1]))
+        for t in range(lens[i]):
+            padded.append((step_first[t // chunk_size] + p) * chunk_size + t % chunk_size)
+
+    def ints(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    def flags(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.bool, device=device)
+
+    return GDNMetadata(
+        query_start_loc=ints(qsl),
+        state_slots=ints(slots),
+        has_initial_state=flags(init),
+        decode_tokens=ints([qsl[i] for i in decodes]),
+        decode_slots=ints([slots[i] for i in decodes]),
+        decode_has_init=flags([init[i] for i in decodes]),
+        prefill_slots=ints([slots[i] for i in prefills]),
+        prefill_has_init=flags([init[i] for i in prefills]),
+        prefill_tokens=ints(tokens),
+        prefill_padded_pos=ints(padded),
+        active_per_step=tuple(active),
+        num_chunks=sum(active),
+        chunk_size=chunk_size,
+    )
+
+
+class RecurrentBackend(ABC):
+    """Seam: one platform's Gated DeltaNet kernels. ``torch_ref`` is the CPU path and the oracle.
+
+    Both methods read the initial state of request ``i`` from ``pool[state_slots[i]]`` when
+    ``has_initial_state[i]`` (zeros otherwise) and write the final state back to the same slot.
+    """
+
+    name: str = "base"
+
+    def build_metadata(
+        self,
+        query_start_loc: Sequence[int] | torch.Tensor,
+        state_slots: Sequence[int] | torch.Tensor,
+        has_initial_state: Sequence[bool] | torch.Tensor,
+        device: torch.device | str,
+    ) -> GDNMetadata:
+        return build_gdn_metadata(query_start_loc, state_slots, has_initial_state, device)
+
+    @abstractmethod
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        meta: GDNMetadata,
+        activation: str | None = "silu",
+    ) -> torch.Tensor:
+        """Depthwise causal conv over each request: x [num_tokens, conv_dim] -> same shape."""
+
+    @abstractmethod
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: GDNMetadata,
+    ) -> torch.Tensor:
+        """q, k [num_tokens, Hk, Dk], v [num_tokens, Hv, Dv], g, beta [num_tokens, Hv] ->
+        o [num_tokens, Hv, Dv] (q/k l2-normalised inside, q scaled by Dk**-0.5)."""

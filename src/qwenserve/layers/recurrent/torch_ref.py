@@ -1,0 +1,183 @@
+"""Pure-PyTorch Gated DeltaNet kernels: the CPU path and the oracle for faster backends.
+
+Varlen throughout: a step's tokens are packed ``[num_tokens, ...]``; states live in per-layer pools
+(layouts in ``base.py``) and are read/written at each request's slot. Maths as HF's
+``Qwen3_5GatedDeltaNet`` (qwen_arch.md §3.4/3.5); everything after the conv is computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qwenserve.layers.recurrent.base import GDNMetadata, RecurrentBackend
+from qwenserve.layers.recurrent.delta_rule import (
+    chunk_scan,
+    chunk_terms,
+    prepare_qkv,
+    recurrent_step,
+)
+
+_ACTIVATIONS = {None: lambda t: t, "silu": F.silu, "swish": F.silu}
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv of width K over each request's tokens, all requests at once.
+
+    Each request's tokens are laid out after K-1 history rows (its stored conv state, or zeros),
+    so every token's window is K consecutive rows of ``xcat`` and the new state is the last K-1
+    rows of the request's span (right even for requests shorter than K-1 tokens):
+
+        xcat rows   | hist r0 | tokens r0 | hist r1 | tokens r1 | ...
+        request r   hist at  qsl[r] + r*(K-1) + j              (j < K-1)
+                    token t at  t + (r+1)*(K-1)                  (qsl[r] <= t < qsl[r+1])
+                    new state = rows  qsl[r+1] + r*(K-1) + j
+
+    x [num_tokens, conv_dim]; weight [conv_dim, K] or [conv_dim, 1, K] (weight[:, K-1] hits the
+    current token); conv_state [num_slots, K-1, conv_dim], updated in place. Accumulates in fp32
+    and applies the activation before the single cast back, as vLLM's causal_conv1d kernels do.
+    """
+    num_tokens, conv_dim = x.shape
+    weight = weight.reshape(conv_dim, -1)
+    hist = weight.shape[1] - 1
+    qsl, slots = query_start_loc.long(), state_slots.long()
+    num_reqs = slots.numel()
+    req = torch.arange(num_reqs, device=x.device)  # [num_reqs]
+    tok = torch.arange(num_tokens, device=x.device)  # [num_tokens]
+    tok_req = torch.bucketize(tok, qsl[1:], right=True)  # [num_tokens] request of each token
+    dest = tok + (tok_req + 1) * hist  # [num_tokens] row of each token in xcat
+    offs = torch.arange(hist, device=x.device)  # [K-1]
+    hist_rows = ((qsl[:-1] + req * hist)[:, None] + offs).reshape(-1)  # [num_reqs * (K-1)]
+    prefix = conv_state[slots].to(x.dtype)  # [num_reqs, K-1, conv_dim]
+    prefix = prefix.masked_fill(~has_initial_state.bool()[:, None, None], 0)
+    xcat = x.new_empty(num_tokens + num_reqs * hist, conv_dim)  # [tokens + hist rows, conv_dim]
+    xcat[hist_rows] = prefix.reshape(-1, conv_dim)
+    xcat[dest] = x
+    acc = x.new_zeros(num_tokens, conv_dim, dtype=torch.float32)  # [num_tokens, conv_dim]
+    if bias is not None:
+        acc += bias.float()
+    for j in range(hist + 1):
+        acc += weight[:, j].float() * xcat[dest - hist + j].float()
+    new_rows = (qsl[1:] + req * hist)[:, None] + offs  # [num_reqs, K-1]
+    conv_state.index_copy_(0, slots, xcat[new_rows].to(conv_state.dtype))
+    return _ACTIVATIONS[activation](acc).to(x.dtype)
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) from the a/b projections [num_tokens, Hv]: g = -exp(A_log) * softplus(a + dt_bias)
+    (log decay, fp32: in fp16 exp(A_log) may overflow) and beta = sigmoid(b) (activation dtype)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [num_tokens, Hv]
+    return g, b.sigmoid()
+
+
+def _initial_states(
+    pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor
+) -> torch.Tensor:
+    """Copy the slots' states out of the pool in fp32; zero where the request starts fresh (the
+    slot may hold a previous owner's state, even NaNs, so mask rather than multiply)."""
+    states = pool[slots].float()  # [n, Hv, Dk, Dv]
+    return states.masked_fill_(~has_init[:, None, None, None], 0.0)
+
+
+def _decode(
+    qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata, out: torch.Tensor
+) -> None:
+    """One vectorised recurrent step for every 1-token request."""
+    rows = meta.decode_tokens
+    q, k, v, g, beta = (t.index_select(0, rows) for t in qkvgb)
+    states = _initial_states(pool, meta.decode_slots, meta.decode_has_init)
+    o, states = recurrent_step(states, q, k, v, g, beta)  # [num_decodes, Hv, Dv]
+    out.index_copy_(0, rows, o)
+    pool.index_copy_(0, meta.decode_slots, states.to(pool.dtype))
+
+
+def _prefill(
+    qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata, out: torch.Tensor
+) -> None:
+    """Chunked kernel over every multi-token request at once (layout in ``GDNMetadata``)."""
+    padded_rows = meta.num_chunks * meta.chunk_size
+    packed = []
+    for t in qkvgb:  # zero padding: beta = g = 0 leaves the state untouched
+        p = t.new_zeros(padded_rows, *t.shape[1:])  # [num_chunks * C, ...]
+        packed.append(
+            p.index_copy_(0, meta.prefill_padded_pos, t.index_select(0, meta.prefill_tokens))
+        )
+    terms = chunk_terms(*packed, chunk_size=meta.chunk_size)
+    states = _initial_states(pool, meta.prefill_slots, meta.prefill_has_init)
+    o, states = chunk_scan(terms, states, meta.active_per_step)
+    out.index_copy_(0, meta.prefill_tokens, o.index_select(0, meta.prefill_padded_pos))
+    pool.index_copy_(0, meta.prefill_slots, states.to(pool.dtype))
+
+
+def gated_delta_net_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    meta: GDNMetadata,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Gated delta rule over a mixed decode/prefill varlen batch; updates ``ssm_state`` in place.
+
+    q, k [num_tokens, Hk, Dk] and v [num_tokens, Hv, Dv] are the conv outputs (Hv a multiple of
+    Hk: value head h reads key head h // (Hv/Hk)); g (log decay) and beta [num_tokens, Hv];
+    ssm_state [num_slots, Hv, Dk, Dv]. Returns o [num_tokens, Hv, Dv] in v's dtype.
+    """
+    qkvgb = prepare_qkv(q, k, v, g, beta, use_qk_l2norm)
+    out = qkvgb[2].new_empty(v.shape)  # [num_tokens, Hv, Dv] fp32
+    if meta.num_decodes:
+        _decode(qkvgb, ssm_state, meta, out)
+    if meta.num_prefills:
+        _prefill(qkvgb, ssm_state, meta, out)
+    return out.to(v.dtype)
+
+
+class TorchRefRecurrentBackend(RecurrentBackend):
+    """The reference backend: runs on any device torch supports, slowly but exactly."""
+
+    name = "torch_ref"
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        meta: GDNMetadata,
+        activation: str | None = "silu",
+    ) -> torch.Tensor:
+        return causal_conv1d_varlen(
+            x,
+            weight,
+            bias,
+            conv_state,
+            meta.query_start_loc,
+            meta.state_slots,
+            meta.has_initial_state,
+            activation,
+        )
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: GDNMetadata,
+    ) -> torch.Tensor:
+        return gated_delta_net_forward(q, k, v, g, beta, ssm_state, meta)

@@ -1,0 +1,105 @@
+"""What every model provides, and the shared weight-loading loop.
+
+A model is built from a ``ModelContext`` (config, dtype, parallel group, backends) and exposes
+``forward(input_ids, positions, batch, caches) -> hidden``, ``compute_logits(hidden)``,
+``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
+from qwenserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    tp: ParallelGroup = SINGLE
+    attn_backend: Any = None
+    recurrent_backend: Any = None
+    quant: Any = None  # quantization method factory: quant.linear_method(prefix) -> LinearMethod
+
+
+def config_head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads split over ranks, or one replicated head per rank when there are fewer."""
+    return max(1, num_kv_heads // tp_size)
+
+
+# (parameter name fragment, checkpoint name fragment, shard id) for stacked projections
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: tuple[tuple[str, str, Any], ...] = STACKED_PARAMS,
+    skip: tuple[str, ...] = ("rotary_emb.inv_freq",),
+) -> set[str]:
+    """Copy checkpoint tensors into the model through each parameter's ``weight_loader``.
+
+    Returns the names of the parameters that were loaded; unknown checkpoint names raise.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if any(s in name for s in skip):
+            continue
+        target, shard_id = _map_name(name, params, stacked)
+        if target is None:
+            raise ValueError(f"checkpoint tensor {name!r} does not belong to this model; does "
+                             "config.json's architecture match the weights?")
+        param = params[target]
+        loader = getattr(param, "weight_loader", None)
+        with torch.no_grad():
+            if loader is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} but the "
+                                     f"model expects {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            elif shard_id is None:
+                loader(param, tensor.to(param.dtype) if tensor.is_floating_point() else tensor)
+            else:
+                loader(param, tensor.to(param.dtype) if tensor.is_floating_point() else tensor,
+                       shard_id)
+        loaded.add(target)
+    return loaded
+
+
+def _map_name(name: str, params: dict, stacked: tuple) -> tuple[str | None, Any]:
+    for param_part, ckpt_part, shard_id in stacked:
+        if f".{ckpt_part}." in name:
+            candidate = name.replace(f".{ckpt_part}.", f".{param_part}.")
+            if candidate in params:
+                return candidate, shard_id
+    return (name, None) if name in params else (None, None)
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
+    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                          else "")
+        raise ValueError(f"{source} lacks weights for {shown}; the checkpoint is incomplete or "
+                         "does not match config.json")

@@ -1,0 +1,147 @@
+"""ModelConfig: what the engine needs to know about a model, read from config.json or GGUF."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from qwenserve import envs
+from qwenserve.logger import init_logger
+from qwenserve.models import registry
+from qwenserve.models.source import ModelSource, read_config_json, resolve_source
+
+logger = init_logger(__name__)
+
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: ModelSource
+    architecture: str
+    hf_config: Any = field(repr=False)  # transformers text config (attributes as in config.json)
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    tokenizer: str  # folder or hub id
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    quantization: str | None = None
+    quant_config: dict | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+
+def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
+    """Build the ModelConfig for ``args`` (EngineArgs) on ``platform``."""
+    source = resolve_source(args.model, args.revision, args.download_dir)
+    if source.is_gguf:
+        from qwenserve.models.gguf_loader import read_gguf_config
+
+        hf_config, eos_ids = read_gguf_config(source.gguf_file)
+        ckpt_dtype, generation = "bfloat16", {}
+    else:
+        hf_config, eos_ids, ckpt_dtype = _read_hf_config(source.folder)
+        generation = _read_generation_config(source.folder, args.generation_config)
+        eos_ids = _merge_ids(eos_ids, generation.pop("eos_token_id", None))
+    from qwenserve.quantization import resolve_quantization
+
+    quant_method, quant_config = resolve_quantization(hf_config, args.quantization)
+    return ModelConfig(
+        source=source,
+        architecture=registry.resolve_architecture(getattr(hf_config, "architectures", None)),
+        hf_config=hf_config,
+        dtype=_resolve_dtype(args.dtype, ckpt_dtype, platform),
+        max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
+        tokenizer=args.tokenizer or source.folder,
+        eos_token_ids=eos_ids,
+        generation_defaults=generation,
+        quantization=quant_method,
+        quant_config=quant_config,
+    )
+
+
+def _read_hf_config(folder: str) -> tuple[Any, tuple[int, ...], str]:
+    raw = read_config_json(folder)
+    # Check the architecture before transformers parses anything: the error lists what works.
+    registry.resolve_architecture(raw.get("architectures"))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config.architectures = raw.get("architectures")
+    if "quantization_config" in raw and not hasattr(text_config, "quantization_config"):
+        text_config.quantization_config = raw["quantization_config"]
+    ckpt_dtype = str(raw.get("torch_dtype") or raw.get("dtype")
+                     or (raw.get("text_config") or {}).get("dtype") or "float32")
+    eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
+    return text_config, _merge_ids((), eos), ckpt_dtype
+
+
+def _read_generation_config(folder: str, mode: str) -> dict:
+    """Default sampling parameters (``--generation-config auto|vllm|FOLDER``), as vLLM does."""
+    if mode == "vllm":
+        return {}
+    path = os.path.join(folder if mode == "auto" else mode, "generation_config.json")
+    if not os.path.isfile(path):
+        if mode != "auto":
+            raise ValueError(f"--generation-config {mode}: {path} does not exist")
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    defaults = {k: raw[k] for k in _SAMPLING_DEFAULT_KEYS if raw.get(k) is not None}
+    if raw.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = raw["max_new_tokens"]
+    if raw.get("eos_token_id") is not None:
+        defaults["eos_token_id"] = raw["eos_token_id"]
+    if raw.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
+def _merge_ids(ids: tuple[int, ...], extra: Any) -> tuple[int, ...]:
+    if extra is None:
+        return ids
+    extra_list = extra if isinstance(extra, list) else [extra]
+    return tuple(dict.fromkeys([*ids, *(int(i) for i in extra_list)]))
+
+
+def _resolve_dtype(requested: str, ckpt_dtype: str, platform: Any) -> str:
+    requested = _DTYPE_ALIASES.get(requested, requested)
+    if requested != "auto":
+        if requested == "float16" and not platform.is_accelerator:
+            logger.warning("float16 on CPU is slow and numerically fragile; prefer bfloat16 or "
+                           "float32")
+        return requested
+    if not platform.supports_native_bf16():
+        return "float32"
+    if platform.is_accelerator:
+        return "float16" if ckpt_dtype == "float16" else "bfloat16"
+    return "float32" if ckpt_dtype == "float32" else "bfloat16"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    derived = getattr(hf_config, "max_position_embeddings", None) or 4096
+    if requested is None:
+        return int(derived)
+    if requested < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {requested}")
+    if requested > derived and not envs.allow_long_max_model_len():
+        raise ValueError(
+            f"--max-model-len {requested} is larger than the model's maximum of {derived} "
+            "tokens (max_position_embeddings). Lower it, or set "
+            "QWENSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model handles longer inputs."
+        )
+    return int(requested)

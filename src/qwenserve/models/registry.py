@@ -1,0 +1,38 @@
+"""Architecture name (``config.json: architectures[0]``) -> model class, imported lazily.
+
+Adding a model adds one line here and one file beside this one; nothing else branches on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# architecture -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("qwenserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwenserve.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwenserve.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def is_supported(architecture: str) -> bool:
+    return architecture in _MODELS
+
+
+def resolve_architecture(architectures: list[str] | None) -> str:
+    """Pick the first supported name, or raise an error that lists what is supported."""
+    for name in architectures or []:
+        if name in _MODELS:
+            return name
+    raise ValueError(
+        f"Model architectures {architectures or '(none given)'} are not supported by qwenserve. "
+        f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
+    )
+
+
+def load_model_class(architecture: str) -> Any:
+    module_name, class_name = _MODELS[resolve_architecture([architecture])]
+    return getattr(importlib.import_module(module_name), class_name)

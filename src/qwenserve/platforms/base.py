@@ -1,0 +1,59 @@
+"""Platform seam: everything that differs between CPU, CUDA and Ascend NPU.
+
+This package is the only code that names ``torch.cuda``, ``torch.npu``, ``torch_npu``, ``nccl`` or
+``hccl``; the rest of qwenserve asks the platform object it was handed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class Platform(ABC):
+    name: ClassVar[str]
+    device_type: ClassVar[str]  # torch device string
+    dist_backend: ClassVar[str]  # torch.distributed backend for tensor collectives
+    visible_devices_env: ClassVar[str] = ""
+    default_attention_backend: ClassVar[str] = "torch_ref"
+    default_block_size: ClassVar[int] = 16
+    supported_block_sizes: ClassVar[tuple[int, ...]] = (1, 8, 16, 32, 64, 128, 256)
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Cheap check that must not initialise the device runtime needlessly."""
+
+    @abstractmethod
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The torch device of ``local_rank`` (and make it current)."""
+
+    @abstractmethod
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        """(free_bytes, total_bytes) of the device."""
+
+    @abstractmethod
+    def supports_native_bf16(self) -> bool:
+        """Whether bfloat16 matmuls run at least as fast as float32 here."""
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    def empty_cache(self) -> None:
+        """Return cached allocator blocks to the device (no-op on CPU)."""
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        """Start a fresh peak-memory measurement."""
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        """Peak bytes allocated by torch since the last reset."""
+        return 0
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.device_type != "cpu"
+
+    def describe(self, device: torch.device) -> str:
+        return str(device)

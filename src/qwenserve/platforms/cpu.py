@@ -1,0 +1,49 @@
+"""CPU platform: memory budget from ``--kv-cache-memory-bytes`` / ``QWENSERVE_CPU_KVCACHE_SPACE``."""
+
+from __future__ import annotations
+
+import functools
+import platform as _platform
+
+import psutil
+import torch
+
+from qwenserve.platforms.base import Platform
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
+    def supports_native_bf16(self) -> bool:
+        # AVX512-BF16 or AMX run bf16 GEMMs faster than fp32; elsewhere bf16 is emulated (slow).
+        if _platform.machine() in ("arm64", "aarch64"):
+            return "bf16" in _cpu_flags()
+        return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+    def describe(self, device: torch.device) -> str:
+        return f"cpu ({torch.get_num_threads()} threads)"

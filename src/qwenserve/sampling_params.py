@@ -1,0 +1,122 @@
+"""SamplingParams: vLLM's offline sampling parameters, validated with messages that name the fix."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """How outputs are reported while a request runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output when the request finishes (offline generate)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request, with vLLM's names and defaults.
+
+    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` lets a
+    request run to ``max_model_len``. ``seed`` makes sampling reproducible independently of the batch.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    best_of: int | None = None
+    # Filled by the engine: the model's EOS ids that also end generation (unless ignore_eos).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other truncations cannot change the argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        if self.best_of is not None:
+            _check(self.best_of >= self.n, "best_of", self.best_of, f"must be >= n ({self.n})")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
+               "must be in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
+               "must be > 0 (1.0 disables it)")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+               "must be -1 or 0 (disabled) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                   self.max_tokens, "must be an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+                   f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by qwenserve yet; remove it")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "must be non-negative integers")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")
+
+
+SAMPLING_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids")

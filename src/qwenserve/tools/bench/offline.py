@@ -1,0 +1,36 @@
+"""Shared plumbing of the offline benchmarks: engine flags, building ``LLM``, writing JSON.
+
+The engine flags come from ``qwenserve.config.EngineArgs`` (one definition for ``serve``, ``LLM``
+and these tools), so ``bench throughput --max-num-seqs 64`` means exactly what it means to the
+server. Everything touching the engine is imported inside functions: importing this module (for
+``--help``) must not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from qwenserve.tools.bench.errors import BenchError, first_line
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Every ``EngineArgs`` flag, with ``defaults`` overriding the engine's defaults."""
+    from qwenserve.config import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
+    if defaults:
+        parser.set_defaults(**defaults)
+
+
+def make_llm(args: argparse.Namespace) -> Any:
+    """Build the in-process engine from the engine flags, as ``vllm bench`` does."""
+    from qwenserve import LLM
+    from qwenserve.config import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    try:
+        return LLM(**dataclasses.asdict(engine_args))
+    except (ValueError, OSError) as e:
+        raise BenchError(f"cannot start the engine: {first_line(e)}") from e

@@ -1,0 +1,139 @@
+"""Batched sampling on device: penalties, temperature, min_p, top_k/top_p, seeded draws, logprobs.
+
+Order (as vLLM): logprobs from the raw logits; then min_tokens masking and penalties; greedy rows
+take the argmax; the others are scaled by temperature, truncated by min_p, top_k and top_p, and
+drawn with the exponential race ``argmax(p / E)``, E ~ Exp(1). A request with a ``seed`` draws its
+E from its own generator, so its samples do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qwenserve.core.sched_output import SampledToken
+from qwenserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits: the request's parameters and the history penalties look at."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           default_generator: torch.Generator | None = None) -> list[SampledToken]:
+    """logits [B, V] float32 -> one SampledToken per row."""
+    logprobs = _logprobs(logits, rows)
+    logits = logits.clone()
+    _mask_stop_tokens(logits, rows)
+    _apply_penalties(logits, rows)
+    token_ids = _choose(logits, rows, default_generator)
+    return _package(token_ids, logprobs, rows)
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+    if all(r.params.logprobs is None for r in rows):
+        return None
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """``min_tokens``: EOS and stop tokens cannot be sampled until enough tokens exist."""
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens and r.params.all_stop_token_ids:
+            ids = [t for t in r.params.all_stop_token_ids if t < logits.shape[1]]
+            logits[i, ids] = -float("inf")
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    index = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not index:
+        return
+    vocab = logits.shape[1]
+    sub = logits[index]  # [P, V]
+    out_counts = _token_counts([rows[i].output_token_ids for i in index], vocab, logits.device)
+    prompt_seen = _token_counts([rows[i].prompt_token_ids for i in index], vocab,
+                                logits.device) > 0
+    rep = _column([rows[i].params.repetition_penalty for i in index], logits)
+    seen = prompt_seen | (out_counts > 0)
+    penalised = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalised, sub)
+    sub -= _column([rows[i].params.frequency_penalty for i in index], logits) * out_counts
+    sub -= _column([rows[i].params.presence_penalty for i in index], logits) * (out_counts > 0)
+    logits[index] = sub
+
+
+def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[P, V] occurrence counts; padding goes to an extra column that is dropped."""
+    longest = max((len(h) for h in histories), default=0)
+    counts = torch.zeros(len(histories), vocab + 1, device=device)
+    if longest:
+        ids = torch.tensor([h + [vocab] * (longest - len(h)) for h in histories], device=device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow],
+            default_generator: torch.Generator | None) -> torch.Tensor:
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random_rows:
+        return token_ids
+    sub = logits[random_rows] / _column([rows[i].params.temperature for i in random_rows], logits)
+    probs = _truncate(sub, [rows[i].params for i in random_rows]).softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(random_rows):
+        noise[j].exponential_(generator=rows[i].generator or default_generator)
+    token_ids[random_rows] = (probs / noise).argmax(dim=-1)
+    return token_ids
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """min_p, then top_k and top_p on logits already divided by the temperature."""
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * _column([p.min_p for p in params], logits)
+        logits = logits.masked_fill(probs < threshold, -float("inf"))
+    if all(p.top_k == 0 for p in params) and all(p.top_p >= 1.0 for p in params):
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).clamp(max=vocab)
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -float("inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - _column([p.top_p for p in params], logits)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _package(token_ids: torch.Tensor, logprobs: torch.Tensor | None,
+             rows: list[SamplingRow]) -> list[SampledToken]:
+    ids = token_ids.tolist()
+    if logprobs is None:
+        return [SampledToken(t) for t in ids]
+    out = []
+    for i, (t, r) in enumerate(zip(ids, rows)):
+        if r.params.logprobs is None:
+            out.append(SampledToken(t))
+            continue
+        row = logprobs[i]
+        chosen = row[t].item()
+        rank = int((row > chosen).sum().item()) + 1
+        top = []
+        if r.params.logprobs:
+            values, indices = row.topk(r.params.logprobs)
+            top = list(zip(indices.tolist(), values.tolist()))
+        out.append(SampledToken(t, chosen, rank, top))
+    return out

@@ -1,0 +1,132 @@
+"""Worker: one device's share of the model: load, size the cache, allocate it, run steps."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from qwenserve.config import EngineConfig
+from qwenserve.core.cache.plan import CachePlan, plan_cache
+from qwenserve.core.cache.spec import PagedKVSpec, RecurrentStateSpec
+from qwenserve.core.sched_output import ModelOutput, SchedulerOutput
+from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
+from qwenserve.layers.attention import get_attention_backend
+from qwenserve.logger import init_logger
+from qwenserve.models.base import ModelContext
+from qwenserve.models.loader import iter_weights
+from qwenserve.models.registry import load_model_class
+from qwenserve.platforms import resolve_platform
+from qwenserve.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, tp: ParallelGroup = SINGLE, local_rank: int = 0):
+        self.config = config
+        self.tp = tp
+        self.platform = resolve_platform(config.platform_name)
+        self.device = self.platform.device(local_rank)
+        self.dtype = _DTYPES[config.model.dtype]
+        self.model_cls = load_model_class(config.model.architecture)
+        self.attn_backend = get_attention_backend(self.platform.default_attention_backend)
+        self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
+                                                self.dtype.itemsize)
+        self.model: Any = None
+        self.runner: ModelRunner | None = None
+        self.load_s = 0.0
+
+    # ---- start-up -----------------------------------------------------------------------------
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        mc = self.config.model
+        ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
+                           max_model_len=mc.max_model_len, tp=self.tp,
+                           attn_backend=self.attn_backend, quant=self._quant())
+        try:
+            with torch.device(self.device):
+                model = self.model_cls(ctx)
+            model.load_weights(iter_weights(mc.source, mc.hf_config),
+                               mc.source.gguf_file or mc.source.folder)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(
+                f"Not enough device memory to load the weights of {mc.name} in {mc.dtype} on "
+                f"{self.device}. Use more devices (--tensor-parallel-size), a quantized "
+                "checkpoint (--quantization), or a smaller model."
+            ) from e
+        self.model = model.eval()
+        self.load_s = time.perf_counter() - start
+
+    def _quant(self) -> Any:
+        if self.config.model.quantization is None:
+            return None
+        from qwenserve.quantization import build_quant_method
+
+        return build_quant_method(self.config.model)
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for tensor in list(self.model.parameters()) + list(self.model.buffers()):
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    def cache_budget_bytes(self) -> int:
+        """CPU: the configured budget. Accelerators: utilization x memory - weights - peak
+        activations of a profiling forward pass (unless --kv-cache-memory-bytes is given)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            per_token = sum(s.bytes_per_token for s in self.specs if isinstance(s, PagedKVSpec))
+            per_seq = sum(s.bytes_per_seq for s in self.specs
+                          if isinstance(s, RecurrentStateSpec))
+            slots = (self.config.scheduler.max_num_seqs + 1) if per_seq else 0
+            return cache.num_gpu_blocks_override * cache.block_size * per_token + slots * per_seq
+        if not self.platform.is_accelerator:
+            return cache.cpu_budget_bytes()
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        from qwenserve.worker.profiler import profile_peak_bytes
+
+        free, total = self.platform.mem_get_info(self.device)
+        peak = profile_peak_bytes(self)
+        used_by_others = max(0, total - free - self.weight_bytes())
+        budget = int(total * cache.gpu_memory_utilization) - used_by_others - peak
+        if budget <= 0:
+            raise MemoryError(
+                f"No device memory left for the KV cache: {total / 2**30:.1f} GiB x "
+                f"{cache.gpu_memory_utilization} minus weights and activations "
+                f"({peak / 2**30:.1f} GiB) and other processes ({used_by_others / 2**30:.1f} GiB)"
+                " is negative. Raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
+                "or use more devices."
+            )
+        return budget
+
+    def plan(self) -> CachePlan:
+        return plan_cache(self.specs, self.cache_budget_bytes(), self.config.cache.block_size,
+                          self.config.scheduler.max_num_seqs, self.config.scheduler.max_model_len)
+
+    def init_cache(self, plan: CachePlan) -> None:
+        num_slots = plan.num_blocks * plan.block_size
+        caches: list[Any] = [None] * self.config.model.num_hidden_layers
+        for spec in self.specs:
+            if isinstance(spec, PagedKVSpec):
+                for layer_id in spec.layer_ids:
+                    caches[layer_id] = torch.zeros(
+                        2, num_slots, spec.num_kv_heads, spec.head_dim, dtype=self.dtype,
+                        device=self.device)  # [K|V, num_slots, Hkv, D]
+            else:
+                for layer_id, state in zip(spec.layer_ids, self.model.allocate_state(
+                        plan.num_state_slots, self.device)):
+                    caches[layer_id] = state
+        recurrent = getattr(self.model, "recurrent_backend", None)
+        self.runner = ModelRunner(self.model, caches, self.attn_backend, plan.block_size,
+                                  self.device, self.tp.is_driver, self.config.seed, recurrent)
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        assert self.runner is not None, "init_cache() first"
+        return self.runner.execute(sched)

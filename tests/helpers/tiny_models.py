@@ -1,0 +1,115 @@
+"""Tiny random-weight models written with transformers, for parity and server tests.
+
+Weights are re-drawn with a larger spread than HF's init (and norms away from 1) so that logits
+are peaked (greedy choices are not near-ties) and norm-convention bugs cannot hide.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+_CORPUS = [
+    "The capital of France is Paris. The capital of Germany is Berlin.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "qwenserve serves Qwen models with paged attention and continuous batching.",
+    "你好，世界。今天天气很好。 😀 🚀 café naïve",
+    "def add(a, b):\n    return a + b\n",
+    "0123456789 numbers, punctuation; quotes \"like this\" and 'that'.",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            rms_norm_eps=1e-6)
+
+
+def build_tokenizer(vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained on a few sentences, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", bos_token=None)
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _config(arch: str, **overrides: Any) -> Any:
+    import transformers as tf
+
+    kw = dict(BASE)
+    if arch == "llama":
+        kw.update(rope_theta=500000.0, tie_word_embeddings=False)
+        cls = tf.LlamaConfig
+    elif arch == "qwen2":
+        kw.update(rope_theta=1e6, tie_word_embeddings=True)
+        cls = tf.Qwen2Config
+    elif arch == "qwen3":
+        kw.update(rope_theta=1e6, head_dim=32, tie_word_embeddings=False)
+        cls = tf.Qwen3Config
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+
+
+def make_tiny_model(arch: str, path: str, seed: int = 0, **overrides: Any) -> str:
+    """Write a random-weight model + tokenizer to ``path`` (skipped if already there)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import transformers as tf
+
+    config = _config(arch, **overrides)
+    tokenizer = build_tokenizer()
+    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_hf_model(path: str) -> Any:
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens by full recomputation each step (no cache: the plainest reference)."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+@torch.no_grad()
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]
