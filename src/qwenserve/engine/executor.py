@@ -20,10 +20,11 @@ class UniprocExecutor:
         self.load_s = self.worker.load_s
 
     def plan_cache(self) -> CachePlan:
-        return self.worker.plan()
+        return self.worker.plan_cache()
 
     def init_cache(self, plan: CachePlan) -> None:
         self.worker.init_cache(plan)
+        self.worker.warm_up()
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         return self.worker.execute(sched)

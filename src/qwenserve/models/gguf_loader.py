@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,26 +40,72 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 
 
+@dataclass(frozen=True)
+class GGUFIndex:
+    """The scalar metadata and tensor table of a GGUF file (arrays such as the vocabulary are
+    left to the tokenizer conversion)."""
+
+    fields: dict[str, Any]
+    tensors: list[dict]  # name, type (GGML id), shape (numpy order), offset, nbytes
+
+
 @functools.lru_cache(maxsize=2)
-def _reader(path: str) -> Any:
+def gguf_index(path: str) -> GGUFIndex:
+    """Parse the file's header once and cache the result on disk: ``gguf.GGUFReader`` parses
+    every vocabulary string, which costs seconds at each start-up."""
+    cache = os.path.join(envs.cache_dir(), "gguf-index", _file_key(path) + ".json")
+    try:
+        with open(cache) as f:
+            raw = json.load(f)
+        return GGUFIndex(raw["fields"], raw["tensors"])
+    except (OSError, ValueError, KeyError):
+        pass
+    index = _read_index(path)
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(cache + ".tmp", "w") as f:
+            json.dump({"fields": index.fields, "tensors": index.tensors}, f)
+        os.replace(cache + ".tmp", cache)
+    except OSError as e:
+        logger.warning("could not cache the GGUF index in %s: %s", cache, e)
+    return index
+
+
+def _read_index(path: str) -> GGUFIndex:
     import gguf
 
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except Exception as e:
         raise ValueError(f"{path} is not a readable GGUF file ({e}); re-download it") from e
+    fields: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+            fields[key + ".length"] = len(f.data)
+            continue
+        value = f.contents()
+        fields[key] = value.item() if hasattr(value, "item") else value
+    tensors = [{"name": t.name, "type": int(t.tensor_type), "shape": list(t.data.shape),
+                "dtype": str(t.data.dtype), "offset": int(t.data_offset),
+                "nbytes": int(t.n_bytes)} for t in reader.tensors]
+    return GGUFIndex(fields, tensors)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _file_key(path: str) -> str:
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _field(index: GGUFIndex, key: str, default: Any = None) -> Any:
+    return index.fields.get(key, default)
 
 
 def read_gguf_config(path: str) -> tuple[Any, tuple[int, ...]]:
     """A transformers config built from the GGUF metadata, and the EOS token ids."""
     import transformers
 
-    reader = _reader(path)
+    reader = gguf_index(path)
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported; supported: "
@@ -66,9 +114,9 @@ def read_gguf_config(path: str) -> tuple[Any, tuple[int, ...]]:
     p = f"{arch}."
     num_heads = _field(reader, p + "attention.head_count")
     hidden = _field(reader, p + "embedding_length")
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = {t["name"] for t in reader.tensors}
     kwargs = dict(
-        vocab_size=_field(reader, p + "vocab_size") or len(_field(reader, "tokenizer.ggml.tokens")),
+        vocab_size=_field(reader, p + "vocab_size") or _field(reader, "tokenizer.ggml.tokens.length"),
         hidden_size=hidden,
         intermediate_size=_field(reader, p + "feed_forward_length"),
         num_hidden_layers=_field(reader, p + "block_count"),
@@ -97,14 +145,17 @@ def iter_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, np.ndarr
     """Yield (Hugging Face tensor name, float32 array) for every tensor, one at a time."""
     import gguf
 
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+    index = gguf_index(path)
+    arch = _field(index, "general.architecture")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in index.tensors:
+        name = _hf_name(t["name"])
         if name is None:
-            logger.debug("skipping GGUF tensor %s", tensor.name)
+            logger.debug("skipping GGUF tensor %s", t["name"])
             continue
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        raw = data[t["offset"] : t["offset"] + t["nbytes"]].view(np.dtype(t["dtype"]))
+        array = gguf.quants.dequantize(raw.reshape(t["shape"]), gguf.GGMLQuantizationType(
+            t["type"])).astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = (hf_config.num_attention_heads if "q_proj" in name
                      else hf_config.num_key_value_heads)
@@ -134,9 +185,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     """The HF tokenizer (with chat template) converted from GGUF metadata, cached on disk."""
     from transformers import AutoTokenizer
 
-    st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    cache = os.path.join(envs.cache_dir(), "gguf-tokenizers", key.hexdigest()[:24])
+    cache = os.path.join(envs.cache_dir(), "gguf-tokenizers", _file_key(path))
     if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
         try:
             return AutoTokenizer.from_pretrained(cache)

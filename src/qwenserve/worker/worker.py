@@ -10,7 +10,12 @@ import torch
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.plan import CachePlan, plan_cache
 from qwenserve.core.cache.spec import PagedKVSpec, RecurrentStateSpec
-from qwenserve.core.sched_output import ModelOutput, SchedulerOutput
+from qwenserve.core.sched_output import (
+    ModelOutput,
+    NewRequestData,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.layers.attention import get_attention_backend
 from qwenserve.logger import init_logger
@@ -18,6 +23,7 @@ from qwenserve.models.base import ModelContext
 from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
 from qwenserve.platforms import resolve_platform
+from qwenserve.sampling_params import SamplingParams
 from qwenserve.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -38,6 +44,7 @@ class Worker:
                                                 self.dtype.itemsize)
         self.model: Any = None
         self.runner: ModelRunner | None = None
+        self.plan: CachePlan | None = None
         self.load_s = 0.0
 
     # ---- start-up -----------------------------------------------------------------------------
@@ -106,19 +113,24 @@ class Worker:
             )
         return budget
 
-    def plan(self) -> CachePlan:
+    def plan_cache(self) -> CachePlan:
         return plan_cache(self.specs, self.cache_budget_bytes(), self.config.cache.block_size,
                           self.config.scheduler.max_num_seqs, self.config.scheduler.max_model_len)
 
     def init_cache(self, plan: CachePlan) -> None:
+        self.plan = plan
         num_slots = plan.num_blocks * plan.block_size
         caches: list[Any] = [None] * self.config.model.num_hidden_layers
         for spec in self.specs:
             if isinstance(spec, PagedKVSpec):
                 for layer_id in spec.layer_ids:
-                    caches[layer_id] = torch.zeros(
-                        2, num_slots, spec.num_kv_heads, spec.head_dim, dtype=self.dtype,
-                        device=self.device)  # [K|V, num_slots, Hkv, D]
+                    # Left uninitialised (zeroing GiBs costs seconds at start-up): every slot
+                    # is written before it is read, except that padding reads slot 0, so block 0
+                    # is zeroed to keep NaN bit patterns out of masked positions.
+                    kv = torch.empty(2, num_slots, spec.num_kv_heads, spec.head_dim,
+                                     dtype=self.dtype, device=self.device)  # [K|V, slots, Hkv, D]
+                    kv[:, : plan.block_size].zero_()
+                    caches[layer_id] = kv
             else:
                 for layer_id, state in zip(spec.layer_ids, self.model.allocate_state(
                         plan.num_state_slots, self.device)):
@@ -126,6 +138,23 @@ class Worker:
         recurrent = getattr(self.model, "recurrent_backend", None)
         self.runner = ModelRunner(self.model, caches, self.attn_backend, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed, recurrent)
+
+    def warm_up(self) -> None:
+        """Run one small prefill and one decode so the first request does not pay for kernel
+        selection and first-touch page faults."""
+        assert self.runner is not None and self.plan is not None
+        bs = self.plan.block_size
+        tokens = [0] * min(16, self.config.scheduler.max_model_len - 1,
+                           self.plan.token_capacity - 1)
+        block_ids = list(range(-(-(len(tokens) + 1) // bs)))
+        slot = 1 if self.plan.num_state_slots else None
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        self.runner.execute(SchedulerOutput(
+            new_requests=[NewRequestData("warmup", tokens, [], params, block_ids, slot)],
+            chunks=[ScheduledChunk("warmup", tokens, 0, [], True)]))
+        self.runner.execute(SchedulerOutput(
+            chunks=[ScheduledChunk("warmup", [0], len(tokens), [], True)]))
+        self.runner.execute(SchedulerOutput(finished_request_ids=["warmup"]))
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         assert self.runner is not None, "init_cache() first"

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random-weight models written once per session, device-test markers."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `helpers` package
+
+from helpers.tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model("qwen2")`` -> path of a random-weight model folder (built once)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+
+    def build(arch: str, seed: int = 0, **overrides) -> str:
+        suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
+        path = os.path.join(str(root), f"{arch}-{seed}-{suffix}")
+        return make_tiny_model(arch, path, seed=seed, **overrides)
+
+    return build
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip device tests when the device is absent."""
+    from qwenserve.platforms import resolve_platform  # noqa: F401  (import check only)
+
+    def available(name: str) -> bool:
+        try:
+            from qwenserve.platforms.cuda import CudaPlatform
+            from qwenserve.platforms.npu import NpuPlatform
+
+            return {"cuda": CudaPlatform, "npu": NpuPlatform}[name].is_available()
+        except Exception:
+            return False
+
+    for marker in ("cuda", "npu"):
+        if any(marker in item.keywords for item in items) and not available(marker):
+            skip = pytest.mark.skip(reason=f"needs a {marker.upper()} device")
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(skip)

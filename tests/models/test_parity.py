@@ -1,0 +1,97 @@
+"""Greedy tokens and logprobs equal Hugging Face transformers on the same random weights (fp32),
+batched, with chunked prefill, with prefix caching on and off, and under forced preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers.tiny_models import hf_greedy, hf_logits, load_hf_model
+
+from qwenserve import LLM, SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+MAX_TOKENS = 12
+ENGINE_SETTINGS = {
+    # a 16-token budget chunks every prompt longer than one block
+    "chunked": dict(max_num_batched_tokens=16, enable_prefix_caching=True),
+    "no-prefix-cache": dict(max_num_batched_tokens=32, enable_prefix_caching=False),
+    # 12 blocks of 16 tokens cannot hold 10 sequences of up to ~80 tokens: preemption
+    "preemption": dict(max_num_batched_tokens=64, num_gpu_blocks_override=12),
+}
+
+
+def make_prompts(seed: int, n: int = 10) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 2, 15, 16, 17, 33, 48, 64, 70, 5][:n]
+    return [[rng.randrange(3, 512) for _ in range(length)] for length in lengths]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            path = tiny_model(arch)
+            hf = load_hf_model(path)
+            prompts = make_prompts(ARCHS.index(arch))
+            cache[arch] = (path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts], hf)
+        return cache[arch]
+
+    return get
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_hf(references, arch, setting):
+    path, prompts, expected, _ = references(arch)
+    llm = LLM(path, dtype="float32", max_model_len=128, **ENGINE_SETTINGS[setting])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == expected
+    if setting == "preemption":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.cache.usage() == 0.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_cache_hits_give_the_same_tokens(references, arch):
+    path, prompts, expected, _ = references(arch)
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
+    hits_before = llm.llm_engine.cache.stats.hits
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
+    assert llm.llm_engine.cache.stats.hits > hits_before
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprobs_match_hf_logits(references, arch):
+    path, prompts, expected, hf = references(arch)
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy(logprobs=5))
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        ref = torch.log_softmax(hf_logits(hf, prompt + tokens[:-1]), dim=-1)[len(prompt) - 1:]
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for token_id, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[step, token_id].item(), abs=1e-4)
+            top = ref[step].topk(5).indices.tolist()
+            assert [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)][:5] == top
+
+
+def test_batch_invariance_alone_equals_in_batch_of_16(references):
+    path, prompts, _, _ = references("qwen2")
+    extra = make_prompts(99, n=10)[:6]
+    batch = (prompts + extra)[:16]
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=64)
+    together = llm.generate([{"prompt_token_ids": p} for p in batch], greedy(24))
+    for i in (0, 5, 9, 15):
+        alone = llm.generate([{"prompt_token_ids": batch[i]}], greedy(24))
+        assert alone[0].outputs[0].token_ids == together[i].outputs[0].token_ids
