@@ -69,7 +69,7 @@ class LLMEngine:
         """Queue a request (``arrival_time`` is ``time.monotonic()``-based)."""
         if self.outputs.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_prompt(prompt_token_ids)
+        self.validate_request(prompt_token_ids, params)
         params = self._finalize_params(params)
         max_len = self.config.scheduler.max_model_len
         room = max(max_len - len(prompt_token_ids), 1)
@@ -82,6 +82,14 @@ class LLMEngine:
                 child_params = params.clone(seed=params.seed + int(child_id.split("_", 1)[0]))
             self.scheduler.add_request(Request(child_id, list(prompt_token_ids), child_params,
                                                max_tokens, arrival_time=arrival))
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler."""
+        self.check_prompt(prompt_token_ids)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} is more than the engine's max_logprobs "
+                             f"({self.config.max_logprobs}); ask for fewer or raise "
+                             "--max-logprobs")
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         max_len = self.config.scheduler.max_model_len
@@ -98,10 +106,6 @@ class LLMEngine:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab})")
 
     def _finalize_params(self, params: SamplingParams) -> SamplingParams:
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs {params.logprobs} is more than the engine's max_logprobs "
-                             f"({self.config.max_logprobs}); ask for fewer or raise "
-                             "--max-logprobs")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:

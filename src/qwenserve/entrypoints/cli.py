@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("qwenserve.entrypoints.openai.cli_args", "Start the OpenAI-compatible API server"),
     "chat": ("qwenserve.entrypoints.chat", "Chat with a model in the terminal (offline)"),
     "bench": ("qwenserve.tools.bench.cli", "Benchmark: serve | throughput | latency"),
-    "plan": ("qwenserve.tools.plan", "Will a model fit? Memory plan and the flags to use"),
+    "plan": ("qwenserve.tools.plan.cli", "Will a model fit? Memory plan and the flags to use"),
     "doctor": ("qwenserve.tools.doctor", "Check this machine and a model folder"),
     "diagnose": ("qwenserve.tools.diagnose", "Explain a server log: root cause and fix"),
     "deploy": ("qwenserve.tools.deploy.cli", "Write production configs (systemd, nginx, k8s, ...)"),

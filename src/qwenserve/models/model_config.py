@@ -53,7 +53,7 @@ def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
         hf_config, eos_ids = read_gguf_config(source.gguf_file)
         ckpt_dtype, generation = "bfloat16", {}
     else:
-        hf_config, eos_ids, ckpt_dtype = _read_hf_config(source.folder)
+        hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder)
         generation = _read_generation_config(source.folder, args.generation_config)
         eos_ids = _merge_ids(eos_ids, generation.pop("eos_token_id", None))
     from qwenserve.quantization import resolve_quantization
@@ -73,7 +73,7 @@ def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
     )
 
 
-def _read_hf_config(folder: str) -> tuple[Any, tuple[int, ...], str]:
+def read_hf_config(folder: str) -> tuple[Any, tuple[int, ...], str]:
     raw = read_config_json(folder)
     # Check the architecture before transformers parses anything: the error lists what works.
     registry.resolve_architecture(raw.get("architectures"))

@@ -1,0 +1,142 @@
+"""The planner's arithmetic: weights counted on a meta-device model, cache from core/cache/plan.
+
+Building the model on PyTorch's meta device gives every parameter's exact per-rank shape (tensor
+parallel sharding, tied embeddings counted once, MoE experts, Qwen3.5 layers) without allocating
+memory, so the weight figure is the engine's own, not a formula that can drift from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qwenserve.core.cache.plan import (
+    CachePlan,
+    CacheTooSmallError,
+    largest_max_model_len,
+    plan_cache,
+)
+from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+from qwenserve.tools.plan.devices import QUANT_GROUP_OVERHEAD, QUANT_WIDTHS
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class PlanInputs:
+    hf_config: Any
+    architecture: str
+    dtype: str
+    tp: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    quantization: str | None = None
+    kv_dtype_bytes: int | None = None
+
+
+@dataclass
+class RankPlan:
+    """One device's figures at a given tensor-parallel size."""
+
+    tp: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    state_bytes_per_seq: int
+    activation_bytes: int
+    budget_bytes: int
+    cache: CachePlan | None
+    error: str | None = None
+    largest_max_model_len: int = 0
+    details: dict = field(default_factory=dict)
+
+
+def cache_specs(inputs: PlanInputs) -> list[CacheSpec]:
+    from qwenserve.models.registry import load_model_class
+
+    kv_bytes = inputs.kv_dtype_bytes or _DTYPE_BYTES[inputs.dtype]
+    return load_model_class(inputs.architecture).cache_specs(inputs.hf_config, inputs.tp,
+                                                             kv_bytes)
+
+
+def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
+    """Bytes of one rank's parameters and buffers, linear weights at the quantized width."""
+    import torch
+
+    from qwenserve.distributed.parallel_group import ParallelGroup
+    from qwenserve.layers.linear import LinearBase
+    from qwenserve.models.base import ModelContext
+    from qwenserve.models.registry import load_model_class
+
+    dtype = getattr(torch, inputs.dtype)
+    ctx = ModelContext(hf_config=inputs.hf_config, dtype=dtype,
+                       max_model_len=inputs.max_model_len,
+                       tp=ParallelGroup(rank=0, world_size=inputs.tp))
+    with torch.device("meta"):
+        model = load_model_class(inputs.architecture)(ctx)
+    # Linear and expert weight matrices take the quantized width; embeddings, norms and
+    # lm_head stay in the model dtype (as the engine keeps them).
+    quantizable = {id(m.weight) for m in model.modules()
+                   if isinstance(m, LinearBase) and getattr(m, "weight", None) is not None}
+    quantizable |= {id(p) for n, p in model.named_parameters()
+                    if n.rsplit(".", 1)[-1] in ("w13", "w2")}
+    width = QUANT_WIDTHS.get(inputs.quantization)
+    overhead = QUANT_GROUP_OVERHEAD.get(inputs.quantization, 0.0)
+    seen: set[int] = set()
+    totals = {"linear": 0, "other": 0, "scales": 0}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if id(tensor) in quantizable:
+            if width is None:
+                totals["linear"] += tensor.numel() * tensor.element_size()
+            else:  # plus one fp32 scale per output channel
+                totals["linear"] += int(tensor.numel() * (width + overhead))
+                totals["scales"] += tensor.numel() // tensor.shape[-1] * 4
+        else:
+            totals["other"] += tensor.numel() * tensor.element_size()
+    return sum(totals.values()), totals
+
+
+def activation_bytes(inputs: PlanInputs) -> int:
+    """Estimated peak activations of one step at the full token budget (the engine measures
+    the real figure with a profiling forward pass at start-up)."""
+    cfg = inputs.hf_config
+    tokens = inputs.max_num_batched_tokens
+    act = _DTYPE_BYTES[inputs.dtype]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim // inputs.tp
+    inter = getattr(cfg, "intermediate_size", None) or 0
+    moe = (getattr(cfg, "moe_intermediate_size", 0) or 0) * (
+        getattr(cfg, "num_experts_per_tok", 0) or 0)
+    mlp = 3 * max(inter, moe) // inputs.tp
+    per_token = (4 * cfg.hidden_size + qkv + mlp) * act
+    logits = inputs.max_num_seqs * cfg.vocab_size * 4 * 3  # fp32 logits, probs, sort buffer
+    return int(tokens * per_token * 2 + logits)
+
+
+def plan_rank(inputs: PlanInputs, budget_for: Any) -> RankPlan:
+    """``budget_for(weight_bytes, activation_bytes) -> KV budget`` depends on the device."""
+    specs = cache_specs(inputs)
+    weights, details = weight_bytes(inputs)
+    activation = activation_bytes(inputs)
+    budget = budget_for(weights, activation)
+    per_token = sum(s.bytes_per_token for s in specs if isinstance(s, PagedKVSpec))
+    per_seq = sum(s.bytes_per_seq for s in specs if isinstance(s, RecurrentStateSpec))
+    result = RankPlan(inputs.tp, weights, per_token, per_seq, activation, budget, None,
+                      details=details)
+    result.largest_max_model_len = (
+        largest_max_model_len(specs, budget, inputs.block_size, inputs.max_num_seqs)
+        if budget > 0 else 0)
+    if budget <= 0:
+        result.error = (f"the weights ({weights / 2**30:.1f} GiB) and activations "
+                        f"({activation / 2**30:.1f} GiB) leave no memory for the KV cache")
+        return result
+    try:
+        result.cache = plan_cache(specs, budget, inputs.block_size, inputs.max_num_seqs,
+                                  inputs.max_model_len)
+    except CacheTooSmallError as e:
+        result.error = str(e)
+    return result
