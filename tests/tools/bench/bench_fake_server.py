@@ -65,44 +65,45 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def build_app(cfg: FakeConfig, state: FakeState) -> FastAPI:
-    app = FastAPI()
+class FakeOpenAI:
+    """The endpoints; ``cfg`` shapes the answers, ``state`` records what was asked."""
 
-    def authorized(request: Request) -> bool:
-        return cfg.api_key is None or request.headers.get("authorization") == f"Bearer {cfg.api_key}"
+    def __init__(self, cfg: FakeConfig, state: FakeState) -> None:
+        self.cfg, self.state = cfg, state
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        if not authorized(request):
+    def authorized(self, request: Request) -> bool:
+        key = self.cfg.api_key
+        return key is None or request.headers.get("authorization") == f"Bearer {key}"
+
+    async def models(self, request: Request) -> Response:
+        if not self.authorized(request):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        data = [{"id": m, "object": "model", "root": f"/models/{m}"} for m in cfg.models]
+        data = [{"id": m, "object": "model", "root": f"/models/{m}"} for m in self.cfg.models]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(request, chat=False)
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _generate(request, chat=True)
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
 
-    async def _generate(request: Request, chat: bool) -> Response:
-        if not authorized(request):
+    async def generate(self, request: Request, chat: bool) -> Response:
+        if not self.authorized(request):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         body = await request.json()
-        state.requests.append(body)
-        state.headers.append(dict(request.headers))
-        if body.get("model") not in cfg.models:
+        self.state.requests.append(body)
+        self.state.headers.append(dict(request.headers))
+        if body.get("model") not in self.cfg.models:
             return _error(404, f"The model `{body.get('model')}` does not exist.")
         prompt = body["messages"][0]["content"][0]["text"] if chat else body["prompt"]
         if "FAIL" in prompt:
             return _error(500, "injected failure")
         max_tokens = body.get("max_completion_tokens" if chat else "max_tokens") or 16
-        events = _stream(prompt, max_tokens, chat, body)
+        events = self.stream(prompt, max_tokens, chat, body)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _stream(prompt: str, n: int, chat: bool, body: dict) -> AsyncIterator[str]:
-        await asyncio.sleep(cfg.ttft_s)
+    async def stream(self, prompt: str, n: int, chat: bool, body: dict) -> AsyncIterator[str]:
+        await asyncio.sleep(self.cfg.ttft_s)
         if "STREAMERR" in prompt:
             yield "data: " + json.dumps({"error": {"message": "engine died", "code": 500}}) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -111,48 +112,55 @@ def build_app(cfg: FakeConfig, state: FakeState) -> FastAPI:
             yield _chunk({"delta": {"role": "assistant", "content": ""}}, chat)
         for i in range(n):
             if i:
-                await asyncio.sleep(cfg.itl_s)
+                await asyncio.sleep(self.cfg.itl_s)
             text = f"w{i % VOCAB} "
             yield _chunk({"delta": {"content": text}} if chat else {"text": text}, chat)
-        state.success += 1
-        state.prompt_tokens += len(encode(prompt))
-        state.generation_tokens += n
+        self.state.success += 1
+        self.state.prompt_tokens += len(encode(prompt))
+        self.state.generation_tokens += n
         usage = {"prompt_tokens": len(encode(prompt)), "completion_tokens": n}
-        if cfg.send_usage and (body.get("stream_options") or {}).get("include_usage"):
+        if self.cfg.send_usage and (body.get("stream_options") or {}).get("include_usage"):
             yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        if not cfg.tokenize:
+    async def tokenize(self, request: Request) -> Response:
+        if not self.cfg.tokenize:
             return _error(404, "Not Found")
         tokens = encode((await request.json())["prompt"])
         return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        if not cfg.tokenize:
+    async def detokenize(self, request: Request) -> Response:
+        if not self.cfg.tokenize:
             return _error(404, "Not Found")
         return JSONResponse({"prompt": decode((await request.json())["tokens"])})
 
-    @app.post("/reset_prefix_cache")
-    async def reset() -> Response:
-        if not cfg.reset_cache:
+    async def reset(self) -> Response:
+        if not self.cfg.reset_cache:
             return _error(404, "Not Found")
-        state.resets += 1
+        self.state.resets += 1
         return Response(status_code=200)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        label = f'{{model_name="{cfg.models[0]}",engine="0"}}'
+    async def metrics(self) -> Response:
+        labels = f'model_name="{self.cfg.models[0]}",engine="0"'
         lines = [
-            f'vllm:request_success_total{{model_name="{cfg.models[0]}",engine="0",'
-            f'finished_reason="length"}} {float(state.success)}',
-            f"vllm:prompt_tokens_total{label} {float(state.prompt_tokens)}",
-            f"vllm:generation_tokens_total{label} {float(state.generation_tokens)}",
+            f'vllm:request_success_total{{{labels},finished_reason="length"}} '
+            f"{float(self.state.success)}",
+            f"vllm:prompt_tokens_total{{{labels}}} {float(self.state.prompt_tokens)}",
+            f"vllm:generation_tokens_total{{{labels}}} {float(self.state.generation_tokens)}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
+
+def build_app(cfg: FakeConfig, state: FakeState) -> FastAPI:
+    api = FakeOpenAI(cfg, state)
+    app = FastAPI()
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/reset_prefix_cache", api.reset, methods=["POST"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     return app
 
 

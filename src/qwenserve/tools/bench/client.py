@@ -1,6 +1,7 @@
 """One streamed request against an OpenAI-compatible server, timed the way vLLM times it.
 
-The request bodies and the timing rules are vLLM's (``vllm/benchmarks/lib/endpoint_request_func.py``):
+The request bodies and the timing rules are vLLM's
+(``vllm/benchmarks/lib/endpoint_request_func.py``):
 the clock starts just before the POST; TTFT is the first ``data:`` chunk with a non-empty
 ``choices`` list; every later such chunk adds one ITL sample; E2EL ends at the last chunk with
 choices (completions) or at the last chunk of any kind, usage included (chat). Two deliberate
@@ -11,6 +12,7 @@ passing silently.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from dataclasses import dataclass, field
@@ -76,9 +78,11 @@ class SSEParser:
 
     def __init__(self) -> None:
         self._buffer = ""
+        # incremental: a multi-byte character may be split across network reads
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, chunk: bytes | str) -> list[str]:
-        text = chunk.decode("utf-8", errors="replace") if isinstance(chunk, bytes) else chunk
+        text = self._decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
         self._buffer += text.replace("\r\n", "\n")
         payloads: list[str] = []
         while "\n\n" in self._buffer:
@@ -113,12 +117,13 @@ class _Timer:
                 self.result.itl.append(now - self.last)
             self.text.append(_chunk_text(choices[0], self.chat))
             self.last = now
-        else:
-            usage = data.get("usage")
-            if usage and usage.get("completion_tokens") is not None:
-                self.result.output_tokens = int(usage["completion_tokens"])
-            if self.chat:  # vLLM's chat timing also advances on the usage chunk
-                self.last = now
+        elif self.chat:  # vLLM's chat timing also advances on the usage chunk
+            self.last = now
+        # usage usually comes alone in the last chunk; with continuous usage stats every chunk
+        # carries the running total, so the last one seen wins
+        usage = data.get("usage")
+        if usage and usage.get("completion_tokens") is not None:
+            self.result.output_tokens = int(usage["completion_tokens"])
 
 
 def _chunk_text(choice: dict[str, Any], chat: bool) -> str:

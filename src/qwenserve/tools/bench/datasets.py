@@ -292,7 +292,7 @@ def build_workload(
         return measured, warmup
     if spec.name == "prefix-repetition":
         measured = sample_prefix_repetition(tokenizer, spec, spec.num_prompts)
-        warm_count = max(num_warmup, spec.num_prefixes)
+        warm_count = spec.num_prefixes * math.ceil(max(num_warmup, 1) / spec.num_prefixes)
         warmup = sample_prefix_repetition(tokenizer, warm_spec, warm_count)[:num_warmup]
         return measured, warmup if num_warmup else []
     raise BenchError(

@@ -12,7 +12,8 @@ Definitions (vLLM ``vllm/benchmarks/serve.py``):
 - ITL: every gap between consecutive chunks carrying ``choices``, pooled over all requests.
 - E2EL: last processed chunk minus the send time.
 - Throughputs divide by the benchmark duration; only successful requests count.
-- Goodput: successful requests meeting every SLO (``metric <= slo``); a one-token request has TPOT 0.
+- Goodput: successful requests meeting every SLO (``metric <= slo``); one-token requests have
+  TPOT 0.
 """
 
 from __future__ import annotations

@@ -80,26 +80,20 @@ def plot_sweep(
 
 
 def plot_run(result: dict[str, Any], path: str) -> None:
-    """One run: output tokens and requests in flight per second, TTFT and ITL histograms."""
+    """One run: output chunk rate and requests in flight over time, TTFT and ITL histograms."""
     ok = [i for i, err in enumerate(result["errors"]) if not err]
     starts = [result["start_times"][i] for i in ok]
-    ends = [result["start_times"][i] + result["latencies"][i] for i in ok]
+    ends = [s + result["latencies"][i] for s, i in zip(starts, ok, strict=True)]
     chunk_times = []
     for i in ok:
         t = result["start_times"][i] + result["ttfts"][i]
-        chunk_times.append(t)
-        for gap in result["itls"][i]:
-            t += gap
-            chunk_times.append(t)
-    seconds = np.arange(int(math.ceil(max(ends, default=0.0))) + 1)
+        chunk_times += list(t + np.cumsum([0.0, *result["itls"][i]]))
     fig = _figure(12, 8)
     axes = fig.subplots(2, 2)
-    counts = np.bincount(np.asarray(chunk_times, dtype=int), minlength=len(seconds))
-    axes[0][0].bar(np.arange(len(counts)), counts, width=0.9)
-    axes[0][0].set_title("Streamed chunks (~output tokens) per second")
-    in_flight = [sum(s <= t < e for s, e in zip(starts, ends, strict=True)) for t in seconds + 0.5]
-    axes[0][1].step(seconds, in_flight, where="post")
-    axes[0][1].set_title("Requests in flight (sampled mid-second)")
+    _plot_chunk_rate(axes[0][0], chunk_times, max(ends, default=1.0))
+    times, in_flight = _in_flight(starts, ends)
+    axes[0][1].step(times, in_flight, where="post")
+    axes[0][1].set_title("Requests in flight")
     for ax in axes[0]:
         ax.set_xlabel("seconds since start")
     axes[1][0].hist([result["ttfts"][i] * 1000 for i in ok] or [0.0], bins=30)
@@ -110,3 +104,23 @@ def plot_run(result: dict[str, Any], path: str) -> None:
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{result['model_id']}: {result['completed']} ok, {result['failed']} failed")
     _save(fig, path)
+
+
+def _plot_chunk_rate(ax: Any, chunk_times: list[float], end_s: float) -> None:
+    """Chunks per second in about 40 bins (at least 50 ms wide), so short runs show a shape."""
+    width = max(0.05, end_s / 40)
+    edges = np.arange(0.0, end_s + width, width)
+    counts, _ = np.histogram(chunk_times, bins=edges)
+    ax.bar(edges[:-1], counts / width, width=width, align="edge")
+    ax.set_title("Streamed chunks per second (~output tokens/s)")
+
+
+def _in_flight(starts: list[float], ends: list[float]) -> tuple[list[float], list[int]]:
+    """Exact step function of requests in flight, from start/end events."""
+    events = sorted([(s, 1) for s in starts] + [(e, -1) for e in ends])
+    times, counts, current = [0.0], [0], 0
+    for t, delta in events:
+        current += delta
+        times.append(t)
+        counts.append(current)
+    return times, counts

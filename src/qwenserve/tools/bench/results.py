@@ -80,6 +80,7 @@ def build_result(
     metrics: BenchmarkMetrics,
     results: list[RequestResult],
     output_lens: list[int],
+    duration_s: float,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
     """The result JSON, with vLLM's field names; ``extra`` adds our own keys."""
@@ -98,6 +99,7 @@ def build_result(
         "dataset_name": info.dataset_name,
         "seed": info.seed,
     }
+    out["duration"] = duration_s
     out.update(_figures(metrics))
     if not info.goodput_ms:
         out["request_goodput"] = None  # vLLM writes null when no SLO was given
@@ -202,7 +204,7 @@ def _metric_lines(name: str, m: BenchmarkMetrics) -> list[str]:
 def result_filename(
     label: str | None, backend: str, load: tuple[float, int | None], model_id: str, stamp: str
 ) -> str:
-    """vLLM's default name: ``{label}-{rate}qps[-concurrency{N}]-{model}-{YYYYmmdd-HHMMSS}.json``."""
+    """vLLM's default name: ``{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json``."""
     rate, max_concurrency = load
     concurrency = f"-concurrency{max_concurrency}" if max_concurrency is not None else ""
     base_model = model_id.rstrip("/").split("/")[-1]

@@ -31,7 +31,7 @@ from qwenserve.tools.bench.metrics import (
     parse_metric_names,
     parse_percentiles,
 )
-from qwenserve.tools.bench.probe import probe_server
+from qwenserve.tools.bench.probe import ServerInfo, probe_server
 from qwenserve.tools.bench.results import (
     RunInfo,
     build_result,
@@ -52,7 +52,7 @@ from qwenserve.tools.bench.tokenizer import (
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Validated settings of one ``bench serve`` invocation (flags only, nothing from the server)."""
+    """Validated settings of one ``bench serve`` run (from flags only, nothing from the server)."""
 
     base_url: str
     api_url: str
@@ -168,7 +168,7 @@ def prepare(args: argparse.Namespace, config: ServeConfig) -> Session:
     entries = check_spec(config.dataset)
     model = args.served_model_name or args.model
     server = probe_server(config.base_url, model, config.headers)
-    tokenizer = open_tokenizer(args, config, server.model)
+    tokenizer = open_tokenizer(args, config, server)
     print(f"Preparing {config.dataset.num_prompts} {config.dataset.name} prompts "
           f"(tokenizer: {tokenizer.name}) ...")  # fmt: skip
     measured, warmup = build_workload(config.dataset, tokenizer, config.warmup_requests, entries)
@@ -185,12 +185,14 @@ def prepare(args: argparse.Namespace, config: ServeConfig) -> Session:
     return Session(config, target, model_id, tokenizer, measured, warmup, args.label, entries)
 
 
-def open_tokenizer(args: argparse.Namespace, config: ServeConfig, model: str) -> TokenizerLike:
+def open_tokenizer(
+    args: argparse.Namespace, config: ServeConfig, server: ServerInfo
+) -> TokenizerLike:
     """A local tokenizer when one is named or the model is a local folder, else the server's."""
-    path = local_tokenizer_path(args.tokenizer, args.model)
+    path = local_tokenizer_path(args.tokenizer, args.model, server.root)
     if path is not None:
         return HFTokenizer.load(path)
-    return ServerTokenizer(config.base_url, model, config.headers)
+    return ServerTokenizer(config.base_url, server.model, config.headers)
 
 
 def measure(session: Session, load: LoadSpec, measured: list[SampleRequest]) -> dict[str, Any]:
@@ -227,7 +229,7 @@ def measure(session: Session, load: LoadSpec, measured: list[SampleRequest]) -> 
         "qwenserve_version": __version__,
         **cfg.metadata,
     }
-    return build_result(info, metrics, run.results, output_lens, extra)
+    return build_result(info, metrics, run.results, output_lens, run.duration_s, extra)
 
 
 def output_path(args: argparse.Namespace, name: str) -> str:
@@ -276,15 +278,21 @@ def run_serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     sweep = None
     if args.sweep:
-        from qwenserve.tools.bench.sweep import parse_sweep
+        from qwenserve.tools.bench.sweep import check_knee_flags, parse_sweep
 
         sweep = parse_sweep(args.sweep)
+        check_knee_flags(args.knee_throughput_frac, args.knee_latency_factor)
     session = prepare(args, config)
-    if sweep is None:
-        return run_single(args, session)
-    from qwenserve.tools.bench.sweep import run_sweep
+    try:
+        if sweep is None:
+            return run_single(args, session)
+        from qwenserve.tools.bench.sweep import run_sweep
 
-    return run_sweep(args, session, sweep)
+        return run_sweep(args, session, sweep)
+    finally:
+        close = getattr(session.tokenizer, "close", None)
+        if close is not None:
+            close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -74,6 +74,13 @@ def parse_sweep(text: str) -> SweepSpec:
     return SweepSpec(kind=kind, values=tuple(values))
 
 
+def check_knee_flags(throughput_frac: float, latency_factor: float) -> None:
+    if not 0 < throughput_frac <= 1:
+        raise BenchError(f"--knee-throughput-frac must be in (0, 1], got {throughput_frac}")
+    if latency_factor < 1:
+        raise BenchError(f"--knee-latency-factor must be >= 1, got {latency_factor}")
+
+
 def format_value(value: float) -> str:
     return "inf" if math.isinf(value) else f"{value:g}"
 
@@ -132,7 +139,7 @@ def summarize_point(result: dict[str, Any], kind: str, value: float) -> dict[str
 
 
 def run_points(
-    args: argparse.Namespace, session: Session, sweep: SweepSpec
+    args: argparse.Namespace, session: Session, sweep: SweepSpec, stem: str
 ) -> list[dict[str, Any]]:
     """Run every load point in ascending order; save each point's JSON when asked."""
     points: list[dict[str, Any]] = []
@@ -143,7 +150,7 @@ def run_points(
         result = measure(session, load, point_prompts(session, index, reset))
         result["sweep_prefix_cache"] = _cache_note(session, index, reset)
         if args.save_result:
-            name = f"{_stem(args, session, sweep)}-{sweep.kind}{format_value(value)}.json"
+            name = f"{stem}-{sweep.kind}{format_value(value)}.json"
             write_json(output_path(args, name), result)
         points.append(summarize_point(result, sweep.kind, value))
     return points
@@ -169,14 +176,13 @@ def run_sweep(args: argparse.Namespace, session: Session, sweep: SweepSpec) -> i
     """The sweep, its knee, and the summary JSON, PNG and Markdown that were asked for."""
     from qwenserve.tools.bench.report import sweep_report, sweep_table
 
-    if not 0 < args.knee_throughput_frac <= 1 or args.knee_latency_factor < 1:
-        raise BenchError("--knee-throughput-frac must be in (0, 1] and --knee-latency-factor >= 1")
-    points = run_points(args, session, sweep)
+    stem = _stem(args, session, sweep)
+    points = run_points(args, session, sweep, stem)
     knee, reason = find_knee(points, args.knee_throughput_frac, args.knee_latency_factor)
     percentiles = session.config.percentiles
-    print("\n" + sweep_table(points, knee, percentiles))
+    print("\n" + sweep_table(points, knee, percentiles) + "\n")
     print(f"Knee: {_knee_text(points, knee)} ({reason})")
-    base = output_path(args, _stem(args, session, sweep))
+    base = output_path(args, stem)
     summary = {"sweep_kind": sweep.kind, "knee_index": knee, "knee_reason": reason,
                "points": points}  # fmt: skip
     if args.save_result:

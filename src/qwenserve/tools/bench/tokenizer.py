@@ -135,12 +135,17 @@ class ServerTokenizer:
         self._client.close()
 
 
-def local_tokenizer_path(tokenizer: str | None, model: str | None) -> str | None:
-    """``--tokenizer``, else ``--model`` when it is a local folder holding a tokenizer."""
+def local_tokenizer_path(tokenizer: str | None, *folders: str | None) -> str | None:
+    """``--tokenizer``, else the first of ``folders`` that is a local folder with a tokenizer.
+
+    The folders tried are ``--model`` and the model's ``root`` from ``/v1/models`` (the server's
+    model path, which is local when the benchmark runs on the server's machine).
+    """
     if tokenizer:
         return tokenizer
-    if model and os.path.isdir(model) and _has_tokenizer_files(model):
-        return model
+    for folder in folders:
+        if folder and os.path.isdir(folder) and _has_tokenizer_files(folder):
+            return folder
     return None
 
 

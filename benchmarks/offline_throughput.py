@@ -1,0 +1,236 @@
+"""Offline throughput: qwenserve vs Hugging Face `generate` on a Qwen2.5-0.5B-shaped model (fp32).
+
+Also measured in the same run: this CPU's fp32 matmul rate and how close batched decode comes to
+it, engine start-up time, and time to first token with a 1,024-token prefix cached vs not.
+Each measurement runs in its own subprocess so that each has its own peak RSS.
+
+    python benchmarks/offline_throughput.py                 # everything (HF static takes long)
+    python benchmarks/offline_throughput.py --hf-static-batches 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN25_05B, peak_rss_mib, random_model, run_in_subprocess  # noqa: E402
+
+SCRIPT = os.path.abspath(__file__)
+VOCAB = 151643  # ordinary tokens of the Qwen tokenizer
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n requests: prompt length uniform in 16-512, output length uniform in 8-256."""
+    rng = random.Random(seed)
+    return [([rng.randrange(VOCAB) for _ in range(rng.randint(16, 512))], rng.randint(8, 256))
+            for _ in range(n)]
+
+
+def model_path() -> str:
+    return random_model("qwen2.5-0.5b-random", **QWEN25_05B)
+
+
+# ---- workers (each in its own process) ---------------------------------------------------------
+def worker_qwenserve(n: int) -> dict:
+    from qwenserve import LLM, SamplingParams
+
+    llm = LLM(model_path(), dtype="float32", max_model_len=1024)
+    reqs = workload(n)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(o for _, o in reqs)
+    return {"output_tokens": produced, "prompt_tokens": sum(len(p) for p, _ in reqs),
+            "seconds": elapsed, "peak_rss_mib": peak_rss_mib()}
+
+
+def _hf_model():
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def worker_hf(n: int, batch: int) -> dict:
+    """HF generate in static batches of ``batch`` in arrival order (left padding); a batch runs
+    until its longest request ends. ``batch=1`` is one request at a time."""
+    import torch
+
+    model = _hf_model()
+    reqs = workload(64)[:n]
+    useful, start = 0, time.perf_counter()
+    for i in range(0, n, batch):
+        group = reqs[i : i + batch]
+        width = max(len(p) for p, _ in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+        longest = max(o for _, o in group)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                                 min_new_tokens=longest, do_sample=False)
+        assert out.shape[1] == width + longest
+        useful += sum(o for _, o in group)
+    elapsed = time.perf_counter() - start
+    return {"output_tokens": useful, "seconds": elapsed, "requests": n,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def worker_matmul() -> dict:
+    """fp32 GEMM rate: a large square matmul and the decode shapes at 64 rows."""
+    import torch
+
+    def rate(m: int, k: int, n: int, reps: int = 20) -> float:
+        a, b = torch.randn(m, k), torch.randn(n, k)
+        for _ in range(3):
+            torch.nn.functional.linear(a, b)
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            times.append(time.perf_counter() - t)
+        return 2 * m * k * n / statistics.median(times) / 1e9
+
+    c = QWEN25_05B
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * h // c["num_attention_heads"]
+    shapes = [(64, h, qkv), (64, h, h), (64, h, 2 * inter), (64, inter, h)]
+    per_layer = [2 * 64 * k * n for m, k, n in shapes]
+    # time-weighted rate over one layer's GEMMs at 64 rows (what a decode step runs)
+    seconds = sum(f / (rate(m, k, n) * 1e9) for f, (m, k, n) in zip(per_layer, shapes))
+    return {"gemm_2048_gflops": rate(2048, 2048, 2048, 5),
+            "decode_shapes_64_gflops": sum(per_layer) / seconds / 1e9}
+
+
+def worker_decode() -> dict:
+    """Batched decode: 64 sequences of 16 prompt tokens decode 128 tokens each; GEMM FLOP/s
+    achieved in decode-only steps (2 x matmul parameters x tokens / time)."""
+    from qwenserve import LLM, SamplingParams
+
+    llm = LLM(model_path(), dtype="float32", max_model_len=1024)
+    engine = llm.llm_engine
+    rng = random.Random(1)
+    for i in range(64):
+        engine.add_request(str(i), [rng.randrange(VOCAB) for _ in range(16)],
+                           SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+    engine.step()  # all prefills
+    tokens, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step()) or 64
+    elapsed = time.perf_counter() - start
+    c = QWEN25_05B
+    h = c["hidden_size"]
+    head = h // c["num_attention_heads"]
+    per_layer = h * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head \
+        + h * h + 3 * h * c["intermediate_size"]
+    params = c["num_hidden_layers"] * per_layer + c["vocab_size"] * h  # + lm_head
+    return {"decode_tokens": 64 * 127, "seconds": elapsed,
+            "tokens_per_s": 64 * 127 / elapsed, "gflops": 2 * params * 64 * 127 / elapsed / 1e9}
+
+
+def worker_startup() -> dict:
+    start = time.perf_counter()
+    from qwenserve import LLM, SamplingParams
+
+    llm = LLM(model_path(), dtype="float32", max_model_len=4096)
+    ready = time.perf_counter() - start
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+    return {"seconds_to_ready": ready, "engine_startup_s": llm.llm_engine.startup_s}
+
+
+def worker_prefix() -> dict:
+    """TTFT (max_tokens=1) of a 1,040-token prompt whose first 1,024 tokens are cached, vs the
+    same request with prefix caching off (medians of 5)."""
+    from qwenserve import LLM, SamplingParams
+
+    rng = random.Random(2)
+    prefix = [rng.randrange(VOCAB) for _ in range(1024)]
+    result = {}
+    for caching in (True, False):
+        llm = LLM(model_path(), dtype="float32", max_model_len=2048,
+                  enable_prefix_caching=caching)
+        llm.generate([{"prompt_token_ids": prefix + [5] * 16}], SamplingParams(max_tokens=1))
+        times = []
+        for i in range(5):
+            suffix = [rng.randrange(VOCAB) for _ in range(16)]
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prefix + suffix}], SamplingParams(max_tokens=1))
+            times.append(time.perf_counter() - t)
+        result["cached_s" if caching else "uncached_s"] = statistics.median(times)
+        del llm
+    return result
+
+
+# ---- driver ------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker")
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--hf-single", type=int, default=8, help="requests run one at a time")
+    p.add_argument("--hf-static-batches", type=int, default=8, help="static batches of 8")
+    args = p.parse_args()
+    if args.worker:
+        fn = {"qwenserve": lambda: worker_qwenserve(args.n),
+              "hf": lambda: worker_hf(args.n, args.batch), "matmul": worker_matmul,
+              "decode": worker_decode, "startup": worker_startup, "prefix": worker_prefix}
+        print(json.dumps(fn[args.worker]()))
+        return
+    model_path()
+    results = {
+        "qwenserve": run_in_subprocess(SCRIPT, "--worker", "qwenserve", "--n", "64"),
+        "hf_single": run_in_subprocess(SCRIPT, "--worker", "hf", "--n", str(args.hf_single),
+                                       "--batch", "1"),
+        "hf_static": run_in_subprocess(SCRIPT, "--worker", "hf", "--n",
+                                       str(8 * args.hf_static_batches), "--batch", "8"),
+        "matmul": run_in_subprocess(SCRIPT, "--worker", "matmul"),
+        "decode": run_in_subprocess(SCRIPT, "--worker", "decode"),
+        "startup": run_in_subprocess(SCRIPT, "--worker", "startup"),
+        "prefix": run_in_subprocess(SCRIPT, "--worker", "prefix"),
+    }
+    print(json.dumps(results, indent=1))
+    print(report(results))
+
+
+def report(r: dict) -> str:
+    def tps(x):
+        return x["output_tokens"] / x["seconds"]
+
+    ours, single, static = tps(r["qwenserve"]), tps(r["hf_single"]), tps(r["hf_static"])
+    m, d = r["matmul"], r["decode"]
+    rows = [
+        "| system | useful output tok/s | vs HF one-at-a-time | vs HF static batches | peak RSS |",
+        "|---|---|---|---|---|",
+        f"| qwenserve (64 requests at once) | {ours:.1f} | {ours / single:.1f}x | "
+        f"{ours / static:.1f}x | {r['qwenserve']['peak_rss_mib']:.0f} MiB |",
+        f"| HF generate, one at a time ({r['hf_single']['requests']} requests) | {single:.1f} | "
+        f"1.0x | | {r['hf_single']['peak_rss_mib']:.0f} MiB |",
+        f"| HF generate, static batches of 8 ({r['hf_static']['requests']} requests) | "
+        f"{static:.1f} | | 1.0x | {r['hf_static']['peak_rss_mib']:.0f} MiB |",
+        "",
+        f"fp32 GEMM: {m['gemm_2048_gflops']:.1f} GFLOP/s (2048^3), "
+        f"{m['decode_shapes_64_gflops']:.1f} GFLOP/s (decode shapes, 64 rows); batched decode "
+        f"(64 seqs): {d['tokens_per_s']:.1f} tok/s = {d['gflops']:.1f} GFLOP/s = "
+        f"{100 * d['gflops'] / m['decode_shapes_64_gflops']:.0f}% of the decode-shape rate, "
+        f"{100 * d['gflops'] / m['gemm_2048_gflops']:.0f}% of the 2048^3 rate",
+        f"start-up to ready: {r['startup']['seconds_to_ready']:.1f} s (engine "
+        f"{r['startup']['engine_startup_s']:.1f} s)",
+        f"TTFT with a cached 1,024-token prefix: {r['prefix']['cached_s'] * 1000:.0f} ms vs "
+        f"{r['prefix']['uncached_s'] * 1000:.0f} ms uncached "
+        f"({r['prefix']['uncached_s'] / r['prefix']['cached_s']:.1f}x)",
+    ]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
