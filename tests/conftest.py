@@ -27,8 +27,6 @@ def tiny_model(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Skip device tests when the device is absent."""
-    from qwenserve.platforms import resolve_platform  # noqa: F401  (import check only)
-
     def available(name: str) -> bool:
         try:
             from qwenserve.platforms.cuda import CudaPlatform
@@ -39,8 +37,8 @@ def pytest_collection_modifyitems(config, items):
             return False
 
     for marker in ("cuda", "npu"):
-        if any(marker in item.keywords for item in items) and not available(marker):
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if marked and not available(marker):
             skip = pytest.mark.skip(reason=f"needs a {marker.upper()} device")
-            for item in items:
-                if marker in item.keywords:
-                    item.add_marker(skip)
+            for item in marked:
+                item.add_marker(skip)

@@ -44,6 +44,7 @@ class Rule:
     context: tuple[re.Pattern[str], ...] = ()
     context_lines: int = 40
     fallback: bool = False
+    supersedes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,7 @@ def parse_rules(entries: object) -> tuple[Rule, ...]:
                 context=_compile(entry.get("context", []), rule_id, "context"),
                 context_lines=int(entry.get("context_lines", 40)),
                 fallback=bool(entry.get("fallback", False)),
+                supersedes=tuple(entry.get("supersedes", ())),
             )
         )
     ids = [r.id for r in rules]
@@ -155,6 +157,11 @@ class _Log:
         return self.text[self.starts[first - 1] : end]
 
 
+def _plain(value: str) -> str:
+    """``17,536`` -> ``17536``: numbers go back into flags, which take no separators."""
+    return value.replace(",", "") if re.fullmatch(r"\d{1,3}(?:,\d{3})+", value) else value
+
+
 def _first_hit(rule: Rule, log: _Log) -> Hit | None:
     """The earliest place this rule matches (with its context, when it has one)."""
     best: Hit | None = None
@@ -167,7 +174,7 @@ def _first_hit(rule: Rule, log: _Log) -> Hit | None:
                 c.search(log.window(line, rule.context_lines)) for c in rule.context
             ):
                 continue
-            groups = {k: v for k, v in match.groupdict().items() if v is not None}
+            groups = {k: _plain(v) for k, v in match.groupdict().items() if v is not None}
             best = Hit(rule, line, groups)
             break
     return best
@@ -186,6 +193,8 @@ def diagnose_text(text: str, rules: Sequence[Rule] | None = None) -> Diagnosis:
         return Diagnosis(rule=None, last_exception=last_exception(log.text))
     order = {id(h.rule): i for i, h in enumerate(hits)}
     best = min(primary, key=lambda h: (h.line, order[id(h.rule)]))
+    # A later message that explains the same failure better (qwenserve's own wrapper of an OOM).
+    best = next((h for h in hits if best.rule.id in h.rule.supersedes and h.line > best.line), best)
     later = [h for h in sorted(hits, key=lambda h: h.line) if h.line != best.line]
     also = tuple((h.rule.id, h.line) for h in later)
     return Diagnosis(

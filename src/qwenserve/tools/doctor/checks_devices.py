@@ -92,7 +92,9 @@ def _cuda_devices(ctx: DoctorContext) -> Check:
     probe = run_python_probe("import torch; print(torch.cuda.device_count())")
     if not probe.ok:
         return fail(
-            "devices", f"import torch failed: {last_line(probe.stderr)}", "qwenserve doctor"
+            "devices",
+            f"import torch failed: {last_line(probe.stderr)}",
+            "reinstall torch: pip install torch --index-url https://download.pytorch.org/whl/cu128",
         )
     count = int(probe.stdout.split()[-1]) if probe.stdout else 0
     if count == 0:

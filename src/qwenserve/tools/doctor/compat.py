@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from qwenserve.tools.doctor.versions import base_version, compare, version_key
+from qwenserve.tools.doctor.versions import base_version, compare, sort_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ def rows_for_cann(cann: str) -> list[CompatRow]:
 
 
 def known_canns() -> list[str]:
-    return sorted({row.cann for row in COMPAT_TABLE}, key=version_key)
+    return sorted({row.cann for row in COMPAT_TABLE}, key=sort_key)
 
 
 def newest_row_for_cann(cann: str) -> CompatRow | None:
@@ -88,4 +88,4 @@ def torch_npu_pairs_with(torch_npu: str, torch: str) -> bool:
 def min_observed_driver(cann: str) -> tuple[str, str] | None:
     """The newest observed (CANN, driver) pair whose CANN is not newer than ``cann``."""
     older = [pair for pair in OBSERVED_DRIVER_PAIRS if compare(pair[0], cann) <= 0]
-    return max(older, key=lambda pair: version_key(pair[0])) if older else None
+    return max(older, key=lambda pair: sort_key(pair[0])) if older else None

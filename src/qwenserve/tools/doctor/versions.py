@@ -7,6 +7,7 @@ numbers, pre-release words (rc, alpha, beta, dev, T) sort before any number at t
 
 from __future__ import annotations
 
+import functools
 import re
 
 _PRE_RELEASE = {"dev", "a", "alpha", "b", "beta", "t", "rc"}
@@ -22,15 +23,23 @@ def version_key(text: str) -> tuple[tuple[int, int | str], ...]:
             key.append((0, token.lower()))
         else:  # post, spc, hotfix letters: after the release they follow
             key.append((2, token.lower()))
-    while key and key[-1] == (1, 0):  # 9.1 == 9.1.0
-        key.pop()
     return tuple(key)
 
 
 def compare(a: str, b: str) -> int:
-    """-1, 0 or 1 as ``a`` is older than, the same as, or newer than ``b``."""
+    """-1, 0 or 1 as ``a`` is older than, the same as, or newer than ``b``.
+
+    The shorter key is padded with zeros, so ``9.1 == 9.1.0``, ``8.3.RC2 < 8.3.0`` and
+    ``2.7.1.dev2025 < 2.7.1 < 2.7.1.post1``.
+    """
     ka, kb = version_key(a), version_key(b)
+    width = max(len(ka), len(kb))
+    ka += ((1, 0),) * (width - len(ka))
+    kb += ((1, 0),) * (width - len(kb))
     return (ka > kb) - (ka < kb)
+
+
+sort_key = functools.cmp_to_key(compare)
 
 
 def base_version(text: str) -> str:

@@ -1,0 +1,148 @@
+"""Prometheus config and alerts (promtool), and the Grafana dashboard: every query parses as
+PromQL (promtool) and names only metrics the server exports."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from ops_helpers import require_tool, run_deploy
+
+from qwenserve.tools.deploy import metric_names
+from qwenserve.tools.deploy.metric_names import EXPORTED_METRICS, HISTOGRAMS, series_names
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+_METRIC = re.compile(r"\bvllm:[a-zA-Z0-9_:]+")
+_GRAFANA_VARS = {"$__rate_interval": "5m", "$model_name": ".*", "$instance": ".*"}
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    tool = require_tool("promtool", "prometheus")
+    return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60)
+
+
+def dashboard_queries(dashboard: dict) -> list[str]:
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    return queries + [v["query"]["query"] for v in dashboard["templating"]["list"]]
+
+
+def assert_only_exported_series(expr: str) -> None:
+    names = _METRIC.findall(expr)
+    assert names, f"no vllm metric in {expr!r}"
+    for name in names:
+        assert name in series_names(), f"{name} is not exported (query: {expr})"
+
+
+def test_metric_list_is_consistent():
+    assert len(set(EXPORTED_METRICS)) == len(EXPORTED_METRICS)
+    assert all(name.startswith("vllm:") for name in EXPORTED_METRICS)
+    assert "vllm:iteration_tokens_total_bucket" in series_names()
+    assert "vllm:time_to_first_token_seconds" not in series_names()  # only its _bucket/_sum/_count
+
+
+def test_metric_list_matches_the_server_when_it_has_a_table():
+    """Every series the dashboard may use is exported by the server, with the same type."""
+    try:
+        server = importlib.import_module("qwenserve.metrics.prometheus")
+    except ImportError:
+        pytest.skip("qwenserve.metrics.prometheus does not exist yet")
+    exported = set(getattr(server, "EXPORTED_METRICS", ()))
+    if not exported:
+        pytest.skip("the server's metric table has no EXPORTED_METRICS yet")
+    assert set(EXPORTED_METRICS) <= exported, set(EXPORTED_METRICS) - exported
+    kinds = {m.exposed_name: m.kind for m in getattr(server, "METRICS", ())}
+    if kinds:
+        assert {n for n in EXPORTED_METRICS if kinds[n] == "histogram"} == set(HISTOGRAMS)
+
+
+def test_prometheus_config_and_rules_pass_promtool(tmp_path):
+    files = run_deploy(tmp_path, "prometheus", "--backends", "10.0.0.1:8000,10.0.0.2:8000",
+                       "--scrape-interval", "10s")  # fmt: skip
+    result = promtool("check", "config", str(files["prometheus.yml"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 5 rules found" in result.stdout
+    config = yaml.safe_load(files["prometheus.yml"].read_text())
+    job = config["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics" and config["global"]["scrape_interval"] == "10s"
+    assert job["static_configs"][0]["targets"] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+
+
+def test_promtool_rejects_a_broken_rule(tmp_path):
+    """The check above can fail: a typo in PromQL is an error."""
+    files = run_deploy(tmp_path, "prometheus")
+    alerts = files["qwenserve-alerts.yml"]
+    alerts.write_text(alerts.read_text().replace("> 0.95", "> > 0.95"))
+    assert promtool("check", "rules", str(alerts)).returncode != 0
+
+
+def test_alerts_use_only_exported_metrics(tmp_path):
+    files = run_deploy(tmp_path, "prometheus")
+    rules = yaml.safe_load(files["qwenserve-alerts.yml"].read_text())["groups"][0]["rules"]
+    for rule in rules:
+        if not rule["expr"].startswith("up{"):
+            assert_only_exported_series(rule["expr"])
+
+
+@pytest.fixture
+def dashboard(tmp_path) -> dict:
+    files = run_deploy(tmp_path, "grafana")
+    return json.loads(files["qwenserve-dashboard.json"].read_text())
+
+
+def test_dashboard_queries_name_only_exported_metrics(dashboard):
+    for expr in dashboard_queries(dashboard):
+        assert_only_exported_series(expr)
+
+
+def test_dashboard_covers_what_operators_watch(dashboard):
+    used = {name for expr in dashboard_queries(dashboard) for name in _METRIC.findall(expr)}
+    bases = {re.sub(r"_(bucket|sum|count)$", "", n) if re.sub(r"_(bucket|sum|count)$", "", n) in HISTOGRAMS
+             else n for n in used}  # fmt: skip
+    assert set(EXPORTED_METRICS) <= bases
+    titles = " ".join(p["title"] for p in dashboard["panels"])
+    for word in (
+        "throughput",
+        "first token",
+        "Inter-token",
+        "running",
+        "KV cache",
+        "Prefix cache hit",
+    ):
+        assert word in titles
+    ttft = next(p for p in dashboard["panels"] if p["title"] == "Time to first token")
+    assert [t["legendFormat"] for t in ttft["targets"]] == ["p50", "p90", "p99"]
+
+
+def test_dashboard_queries_are_valid_promql(dashboard, tmp_path):
+    """promtool parses every panel query (as a recording rule) with Grafana's variables filled."""
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for variable, value in _GRAFANA_VARS.items():
+        exprs = [e.replace(variable, value) for e in exprs]
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)]}]}  # fmt: skip
+    path = Path(tmp_path) / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = promtool("check", "rules", str(path))
+    assert result.returncode == 0 and f"SUCCESS: {len(exprs)} rules found" in result.stdout, (
+        result.stderr
+    )
+
+
+def test_dashboard_is_importable_json(dashboard):
+    assert dashboard["__inputs"][0]["name"] == "DS_PROMETHEUS"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and {"model_name", "instance"} == {
+        v["name"] for v in dashboard["templating"]["list"]
+    }
+
+
+def test_metric_names_module_is_the_single_list():
+    source = Path(metric_names.__file__).read_text()
+    for name in EXPORTED_METRICS:
+        assert source.count(f'"{name}"') == 1
