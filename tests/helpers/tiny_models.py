@@ -61,6 +61,11 @@ def _config(arch: str, **overrides: Any) -> Any:
     elif arch == "qwen3":
         kw.update(rope_theta=1e6, head_dim=32, tie_word_embeddings=False)
         cls = tf.Qwen3Config
+    elif arch == "qwen3_moe":
+        kw.update(rope_theta=1e6, head_dim=16, tie_word_embeddings=False, moe_intermediate_size=32,
+                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3,
+                  mlp_only_layers=[1])
+        cls = tf.Qwen3MoeConfig
     else:
         raise ValueError(arch)
     kw.update(overrides)

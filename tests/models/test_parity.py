@@ -11,7 +11,7 @@ from helpers.tiny_models import hf_greedy, hf_logits, load_hf_model
 
 from qwenserve import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 MAX_TOKENS = 12
 ENGINE_SETTINGS = {
     # a 16-token budget chunks every prompt longer than one block

@@ -87,6 +87,33 @@ def load_named_weights(
     return loaded
 
 
+def split_module_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], modules: dict[str, nn.Module], loaded: set[str]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Send tensors under a prefix in ``modules`` (e.g. an MoE block's ``model.layers.3.mlp.``)
+    to that module's own ``load_weight(relative_name, tensor)``; yield the others.
+
+    The module's parameters are marked loaded (for ``check_all_loaded``) as ``prefix + name``.
+    """
+    for name, tensor in weights:
+        prefix = _module_prefix(name, modules)
+        if prefix is None:
+            yield name, tensor
+            continue
+        module = modules[prefix]
+        module.load_weight(name[len(prefix):], tensor)
+        loaded.update(prefix + n for n, _ in module.named_parameters())
+
+
+def _module_prefix(name: str, modules: dict[str, nn.Module]) -> str | None:
+    head = name
+    while "." in head:
+        head = head.rsplit(".", 1)[0]
+        if head + "." in modules:
+            return head + "."
+    return None
+
+
 def _map_name(name: str, params: dict, stacked: tuple) -> tuple[str | None, Any]:
     for param_part, ckpt_part, shard_id in stacked:
         if f".{ckpt_part}." in name:

@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("qwenserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwenserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwenserve.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwenserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
