@@ -28,7 +28,7 @@ def greedy_tokens(path: str, tp: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5"])
 def test_tp2_equals_tp1_with_chunked_prefill(tiny_model, arch):
     path = tiny_model(arch)
     assert greedy_tokens(path, 2) == greedy_tokens(path, 1)

@@ -66,17 +66,40 @@ def _config(arch: str, **overrides: Any) -> Any:
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3,
                   mlp_only_layers=[1])
         cls = tf.Qwen3MoeConfig
+    elif arch in ("qwen3_5", "qwen3_5_moe"):
+        kw = _qwen3_5_text(arch)
+        cls = tf.Qwen3_5TextConfig if arch == "qwen3_5" else tf.Qwen3_5MoeTextConfig
     else:
         raise ValueError(arch)
     kw.update(overrides)
     return cls(**kw)
 
 
+def _qwen3_5_text(arch: str) -> dict:
+    """Layers L L L F (+ a second group): two full-attention and six DeltaNet layers."""
+    kw = dict(vocab_size=512, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4, max_position_embeddings=1024, rms_norm_eps=1e-6,
+              tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                               "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                               "mrope_interleaved": True})
+    if arch == "qwen3_5":
+        kw["intermediate_size"] = 128
+    else:
+        kw.update(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2)
+    return kw
+
+
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
+            if name.endswith("A_log"):  # decay rates: log U(0.01, 16), as HF draws them
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log())
+            elif p.ndim == 1 and "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))

@@ -11,7 +11,8 @@ from helpers.tiny_models import hf_greedy, hf_logits, load_hf_model
 
 from qwenserve import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
+HYBRID = ("qwen3_5", "qwen3_5_moe")
 MAX_TOKENS = 12
 ENGINE_SETTINGS = {
     # a 16-token budget chunks every prompt longer than one block
@@ -62,17 +63,28 @@ def test_greedy_tokens_match_hf(references, arch, setting):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_hits_give_the_same_tokens(references, arch):
+    """Hybrid models turn prefix caching off (their DeltaNet state cannot be rebuilt from KV
+    blocks): a repeated prompt is then recomputed, with the same result."""
     path, prompts, expected, _ = references(arch)
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32)
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
     hits_before = llm.llm_engine.cache.stats.hits
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
-    assert llm.llm_engine.cache.stats.hits > hits_before
+    if arch in HYBRID:
+        assert not llm.llm_engine.cache.enable_prefix_caching
+        assert llm.llm_engine.cache.stats.hits == 0
+    else:
+        assert llm.llm_engine.cache.stats.hits > hits_before
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logprobs_match_hf_logits(references, arch):
+    """fp32 logprobs within 1e-4 of HF (dense: measured ~5e-6). The DeltaNet models' kernels
+    order their fp32 sums differently from HF's (as HF's own chunked and recurrent paths do);
+    with these large random weights the differences grow through the layers to a measured
+    2e-4 (dense) and 7e-3 (MoE, whose router amplifies them), hence 1e-2 there."""
+    tolerance = 1e-2 if arch in HYBRID else 1e-4
     path, prompts, expected, hf = references(arch)
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy(logprobs=5))
@@ -81,7 +93,7 @@ def test_logprobs_match_hf_logits(references, arch):
         ref = torch.log_softmax(hf_logits(hf, prompt + tokens[:-1]), dim=-1)[len(prompt) - 1:]
         for step, entry in enumerate(out.outputs[0].logprobs):
             for token_id, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref[step, token_id].item(), abs=1e-4)
+                assert lp.logprob == pytest.approx(ref[step, token_id].item(), abs=tolerance)
             top = ref[step].topk(5).indices.tolist()
             assert [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)][:5] == top
 

@@ -14,6 +14,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwenserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwenserve.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwenserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("qwenserve.models.qwen3_5",
+                                        "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwenserve.models.qwen3_5",
+                                           "Qwen3_5MoeForConditionalGeneration"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

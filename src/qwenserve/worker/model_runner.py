@@ -100,8 +100,10 @@ class ModelRunner:
         device = self.device
         state = None
         if self.recurrent_backend is not None:
+            query_start_loc = [c.q_start for c in layouts] + [len(input_ids)]
             slots = [self.requests[c.request_id].state_slot for c in chunks]
-            state = self.recurrent_backend.build_metadata(layouts, slots, device)
+            state = self.recurrent_backend.build_metadata(
+                query_start_loc, slots, [c.start_pos > 0 for c in layouts], device)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),

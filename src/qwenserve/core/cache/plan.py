@@ -41,8 +41,13 @@ class CachePlan:
         per_seq_blocks = -(-max_model_len // self.block_size)
         by_kv = self.num_blocks / per_seq_blocks if per_seq_blocks else float("inf")
         if self.num_state_slots:
-            return min(by_kv, float(self.num_state_slots))
+            return min(by_kv, float(self.num_state_slots - 1))
         return by_kv
+
+    @property
+    def max_running_seqs(self) -> int | None:
+        """Sequences that can run at once given the state slots (None: not limited by state)."""
+        return self.num_state_slots - 1 if self.num_state_slots else None
 
     def summary(self, max_model_len: int) -> str:
         return (
@@ -51,8 +56,9 @@ class CachePlan:
             f"({self.kv_bytes / GIB:.2f} GiB); maximum concurrency for {max_model_len:,} tokens "
             f"per request: {self.max_concurrency(max_model_len):.2f}x"
             + (
-                f"; recurrent state: {self.state_bytes_per_seq} bytes/sequence x "
-                f"{self.num_state_slots} slots ({self.state_bytes / GIB:.2f} GiB)"
+                f"; recurrent state: {self.state_bytes_per_seq:,} bytes/sequence x "
+                f"{self.num_state_slots} slots ({self.state_bytes / GIB:.2f} GiB, at most "
+                f"{self.max_running_seqs} sequences running)"
                 if self.num_state_slots
                 else ""
             )
@@ -61,6 +67,25 @@ class CachePlan:
 
 class CacheTooSmallError(ValueError):
     """The budget cannot hold one sequence of ``max_model_len`` tokens."""
+
+
+MAX_STATE_FRACTION = 0.5  # recurrent states may take at most half of the cache budget
+
+
+def state_slots_for(per_seq: int, budget_bytes: int, max_num_seqs: int) -> int:
+    """State slots to reserve: one per running sequence plus the null slot 0, at most
+    MAX_STATE_FRACTION of the budget (fewer slots cap how many sequences run at once; the
+    scheduler then keeps the rest waiting)."""
+    if not per_seq:
+        return 0
+    fitting = int(budget_bytes * MAX_STATE_FRACTION // per_seq)
+    if fitting < 2:
+        raise CacheTooSmallError(
+            f"The cache budget of {budget_bytes / GIB:.2f} GiB cannot hold the recurrent state of "
+            f"even one sequence ({per_seq:,} bytes, at most {MAX_STATE_FRACTION:.0%} of the "
+            "budget). Increase --kv-cache-memory-bytes / QWENSERVE_CPU_KVCACHE_SPACE or "
+            "--gpu-memory-utilization, or use more devices (--tensor-parallel-size).")
+    return min(max_num_seqs + 1, fitting)
 
 
 def kv_bytes_per_token(specs: list[CacheSpec]) -> int:
@@ -81,15 +106,8 @@ def plan_cache(
     """Split ``budget_bytes`` into state slots and KV blocks; raise if one sequence cannot fit."""
     per_token = kv_bytes_per_token(specs)
     per_seq = state_bytes_per_seq(specs)
-    # One extra slot: slot 0 is the null slot that padding rows point at.
-    num_slots = max_num_seqs + 1 if per_seq else 0
+    num_slots = state_slots_for(per_seq, budget_bytes, max_num_seqs)
     remaining = budget_bytes - num_slots * per_seq
-    if per_seq and remaining < 0:
-        raise CacheTooSmallError(
-            f"The cache budget of {budget_bytes / GIB:.2f} GiB cannot hold the recurrent state of "
-            f"{max_num_seqs} sequences ({per_seq:,} bytes each). Lower --max-num-seqs or increase "
-            "--kv-cache-memory-bytes / QWENSERVE_CPU_KVCACHE_SPACE or --gpu-memory-utilization."
-        )
     num_blocks = remaining // (block_size * per_token) if per_token else 0
     plan = CachePlan(budget_bytes, block_size, per_token, per_seq, int(num_blocks), num_slots)
     if per_token and plan.token_capacity < max_model_len:
@@ -110,7 +128,10 @@ def largest_max_model_len(specs: list[CacheSpec], budget_bytes: int, block_size:
     """The longest sequence that fits the budget (``--max-model-len`` upper bound)."""
     per_token = kv_bytes_per_token(specs)
     per_seq = state_bytes_per_seq(specs)
-    remaining = budget_bytes - (max_num_seqs + 1 if per_seq else 0) * per_seq
+    try:
+        remaining = budget_bytes - state_slots_for(per_seq, budget_bytes, max_num_seqs) * per_seq
+    except CacheTooSmallError:
+        return 0
     if remaining <= 0:
         return 0
     if not per_token:

@@ -1,0 +1,272 @@
+"""Qwen3.5 (dense and MoE): hybrid Gated DeltaNet + gated full attention (qwen_arch.md §3).
+
+    layer_types: 3 of every 4 layers "linear_attention" (Gated DeltaNet), the 4th "full_attention"
+    full attention: q_proj gives [q | gate] per head; zero-centred q/k norms; partial RoPE;
+                    output * sigmoid(gate)
+    Gated DeltaNet: in_proj -> causal conv (state: last K-1 inputs) -> delta rule (state S)
+                    -> gated RMSNorm with z -> out_proj
+    all RMSNorms outside the DeltaNet are zero-centred: x_hat * (1 + w)
+
+Full-attention layers use the paged KV cache; DeltaNet layers use one state slot per sequence.
+Checkpoints of the vision-language model nest the text model under ``model.language_model.``;
+the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from qwenserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from qwenserve.layers.norm import ZeroCenteredRMSNorm
+from qwenserve.layers.recurrent import RMSNormGated, TorchRefRecurrentBackend, gdn_gating
+from qwenserve.layers.rotary import RotaryEmbedding
+from qwenserve.logger import init_logger
+from qwenserve.models.base import (
+    ModelContext,
+    check_all_loaded,
+    kv_heads_per_rank,
+    load_named_weights,
+    split_module_weights,
+)
+from qwenserve.models.dense import MLP, linear_method
+from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
+from qwenserve.models.qwen3_moe import MoEBlock
+from qwenserve.worker.forward_batch import ForwardBatch
+
+logger = init_logger(__name__)
+
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+
+
+def layer_types(cfg: Any) -> list[str]:
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return list(types)
+    interval = getattr(cfg, "full_attention_interval", 4) or 4
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(cfg.num_hidden_layers)]
+
+
+def partial_rotary_factor(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor",
+                            getattr(cfg, "partial_rotary_factor", 0.25) or 0.25))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a per-channel sigmoid output gate (q_proj holds [q | gate] per head)."""
+
+    def __init__(self, ctx: ModelContext, prefix: str) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=bool(getattr(cfg, "attention_bias", False)), dtype=ctx.dtype, tp=ctx.tp,
+            quant_method=linear_method(ctx, f"{prefix}.qkv_proj"), q_head_multiplier=2)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+            bias=bool(getattr(cfg, "attention_bias", False)), dtype=ctx.dtype, tp=ctx.tp,
+            quant_method=linear_method(ctx, f"{prefix}.o_proj"))
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
+        self.backend = ctx.attn_backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                kv_cache: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        qg, k, v = self.qkv_proj(x).split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        qg = qg.view(n, self.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(n, self.num_heads * d)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, d))
+        q, k = rotary(positions, q, k)
+        v = v.reshape(n, self.num_kv_heads, d)
+        o = self.backend.forward(q, k, v, kv_cache, batch.attn, d**-0.5)
+        return self.o_proj(o.reshape(n, self.num_heads * d) * torch.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with a fixed-size state; heads split over tensor-parallel ranks."""
+
+    def __init__(self, ctx: ModelContext, prefix: str, backend: Any) -> None:
+        super().__init__()
+        cfg, tp = ctx.hf_config, ctx.tp
+        self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
+        self.num_v_heads = tp.shard(cfg.linear_num_value_heads, "linear_num_value_heads")
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.in_proj = GDNInProj(ctx, f"{prefix}.in_proj")
+        self.conv_dim = self.in_proj.conv_dim  # per rank
+        kernel = cfg.linear_conv_kernel_dim
+        self.conv1d = self.in_proj.make_conv_weight(kernel)  # [conv_dim, K]
+        self.dt_bias = sharded_parameter(cfg.linear_num_value_heads, tp, torch.float32)
+        self.A_log = sharded_parameter(cfg.linear_num_value_heads, tp, torch.float32)
+        self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ctx.dtype)
+        self.norm.weight.requires_grad_(False)
+        self.out_proj = RowParallelLinear(
+            cfg.linear_num_value_heads * self.dv, cfg.hidden_size, dtype=ctx.dtype, tp=tp,
+            quant_method=linear_method(ctx, f"{prefix}.out_proj"))
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch,
+                state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        conv_state, ssm_state = state
+        n = x.shape[0]
+        mixed, z, b, a = self.in_proj(x)
+        mixed = self.backend.causal_conv1d(mixed, self.conv1d.weight, None, conv_state, batch.state)
+        kd = self.num_k_heads * self.dk
+        q, k, v = mixed.split([kd, kd, self.num_v_heads * self.dv], dim=-1)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        o = self.backend.gated_delta_rule(
+            q.reshape(n, self.num_k_heads, self.dk), k.reshape(n, self.num_k_heads, self.dk),
+            v.reshape(n, self.num_v_heads, self.dv), g, beta, ssm_state, batch.state)
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv))
+        return self.out_proj(o.reshape(n, self.num_v_heads * self.dv))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, ctx: ModelContext, layer_id: int, kind: str, backend: Any) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        prefix = f"model.layers.{layer_id}"
+        self.is_full = kind == "full_attention"
+        if self.is_full:
+            self.self_attn = GatedAttention(ctx, f"{prefix}.self_attn")
+        else:
+            self.linear_attn = GatedDeltaNet(ctx, f"{prefix}.linear_attn", backend)
+        if getattr(cfg, "num_experts", 0):
+            self.mlp = MoEBlock(ctx, cfg.shared_expert_intermediate_size, renormalize=True)
+        else:
+            self.mlp = MLP(ctx, cfg.intermediate_size, False, f"{prefix}.mlp")
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                            ctx.dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch, cache: Any, rotary: RotaryEmbedding):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.is_full:
+            x = self.self_attn(positions, x, batch, cache, rotary)
+        else:
+            x = self.linear_attn(x, batch, cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Text model of Qwen3.5 / Qwen3.5-MoE (also serves the ``...ForConditionalGeneration``
+    checkpoints, whose text weights sit under ``model.language_model.``)."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        if getattr(cfg, "attn_output_gate", True) is False:
+            raise ValueError("Qwen3.5 checkpoints with attn_output_gate=false are not supported")
+        self.types = layer_types(cfg)
+        self.recurrent_backend = ctx.recurrent_backend or TorchRefRecurrentBackend()
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                         ctx.dtype, ctx.tp)
+        self.model.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(ctx, i, kind, self.recurrent_backend)
+            for i, kind in enumerate(self.types))
+        self.model.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.rotary = RotaryEmbedding(cfg, cfg.head_dim,
+                                      int(cfg.head_dim * partial_rotary_factor(cfg)),
+                                      ctx.max_model_len)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
+                                      tie_to=self.model.embed_tokens if self.tie else None)
+        self.dtype = ctx.dtype
+
+    @classmethod
+    def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int) -> list[CacheSpec]:
+        cfg, types = hf_config, layer_types(hf_config)
+        full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+        linear = tuple(i for i, t in enumerate(types) if t != "full_attention")
+        conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                    + cfg.linear_num_value_heads * cfg.linear_value_head_dim) // tp_size
+        ssm = (cfg.linear_num_value_heads // tp_size) * cfg.linear_key_head_dim \
+            * cfg.linear_value_head_dim * 4  # float32 state
+        return [
+            PagedKVSpec(full, kv_heads_per_rank(cfg.num_key_value_heads, tp_size), cfg.head_dim,
+                        kv_dtype_bytes),
+            RecurrentStateSpec(linear, (cfg.linear_conv_kernel_dim - 1) * conv_dim
+                               * kv_dtype_bytes, ssm),
+        ]
+
+    def allocate_state(self, num_slots: int, device: torch.device) -> list[tuple]:
+        """Per Gated DeltaNet layer: conv [slots, K-1, conv_dim] and ssm [slots, Hv, Dk, Dv]."""
+        states = []
+        for layer in self.model.layers:
+            if layer.is_full:
+                continue
+            gdn = layer.linear_attn
+            kernel = gdn.conv1d.weight.shape[1]
+            conv = torch.zeros(num_slots, kernel - 1, gdn.conv_dim, dtype=self.dtype,
+                               device=device)
+            ssm = torch.zeros(num_slots, gdn.num_v_heads, gdn.dk, gdn.dv, dtype=torch.float32,
+                              device=device)
+            states.append((conv, ssm))
+        return states
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                caches: list[Any]) -> torch.Tensor:
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer, cache in zip(self.model.layers, caches):
+            x, residual = layer(positions, x, residual, batch, cache, self.rotary)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        blocks = {f"model.layers.{i}.mlp.": layer.mlp for i, layer in
+                  enumerate(self.model.layers) if isinstance(layer.mlp, MoEBlock)}
+        loaded: set[str] = set()
+        stacked = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                   ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+                   ("gate_up_proj", "up_proj", 1), ("in_proj", "in_proj_qkv", "qkv"),
+                   ("in_proj", "in_proj_z", "z"), ("in_proj", "in_proj_b", "b"),
+                   ("in_proj", "in_proj_a", "a"))
+        skip = ("rotary_emb.inv_freq", "lm_head.weight") if self.tie else ("rotary_emb.inv_freq",)
+        text = _text_weights(weights)
+        rest = split_module_weights(text, blocks, loaded)
+        loaded |= load_named_weights(self, rest, stacked=stacked, skip=skip)
+        check_all_loaded(self, loaded, source)
+
+
+def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterable[tuple[str, torch.Tensor]]:
+    """Strip the VLM nesting, rename the conv weight, and drop vision/MTP tensors (logged)."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(_SKIPPED_PREFIXES):
+            skipped += 1
+            continue
+        name = name.replace("model.language_model.", "model.", 1)
+        if name.endswith("linear_attn.conv1d.weight"):
+            tensor = tensor.reshape(tensor.shape[0], -1)  # [conv_dim, 1, K] -> [conv_dim, K]
+        yield name, tensor
+    if skipped:
+        logger.info("Skipped %d vision-tower / MTP tensors (not needed to serve text)", skipped)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The published VLM checkpoints, served as text models."""
+
+
+Qwen3_5MoeForCausalLM = Qwen3_5ForCausalLM
+Qwen3_5MoeForConditionalGeneration = Qwen3_5ForConditionalGeneration
