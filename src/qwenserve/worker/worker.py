@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
 from qwenserve.config import EngineConfig
-from qwenserve.core.cache.plan import CachePlan, plan_cache
+from qwenserve.core.cache.plan import CachePlan, CacheTooSmallError, plan_cache
 from qwenserve.core.cache.spec import PagedKVSpec, RecurrentStateSpec
 from qwenserve.core.sched_output import (
     ModelOutput,
@@ -59,6 +60,8 @@ class Worker:
                 model = self.model_cls(ctx)
             model.load_weights(iter_weights(mc.source, mc.hf_config),
                                mc.source.gguf_file or mc.source.folder)
+            if ctx.quant is not None:  # scales per shard -> per layer, folded biases
+                ctx.quant.process_weights_after_loading(model)
         except torch.OutOfMemoryError as e:
             raise MemoryError(
                 f"Not enough device memory to load the weights of {mc.name} in {mc.dtype} on "
@@ -87,12 +90,6 @@ class Worker:
         """CPU: the configured budget. Accelerators: utilization x memory - weights - peak
         activations of a profiling forward pass (unless --kv-cache-memory-bytes is given)."""
         cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            per_token = sum(s.bytes_per_token for s in self.specs if isinstance(s, PagedKVSpec))
-            per_seq = sum(s.bytes_per_seq for s in self.specs
-                          if isinstance(s, RecurrentStateSpec))
-            slots = (self.config.scheduler.max_num_seqs + 1) if per_seq else 0
-            return cache.num_gpu_blocks_override * cache.block_size * per_token + slots * per_seq
         if not self.platform.is_accelerator:
             return cache.cpu_budget_bytes()
         if cache.kv_cache_memory_bytes is not None:
@@ -114,8 +111,22 @@ class Worker:
         return budget
 
     def plan_cache(self) -> CachePlan:
-        return plan_cache(self.specs, self.cache_budget_bytes(), self.config.cache.block_size,
-                          self.config.scheduler.max_num_seqs, self.config.scheduler.max_model_len)
+        cache, sched = self.config.cache, self.config.scheduler
+        override = cache.num_gpu_blocks_override
+        if override is None:
+            return plan_cache(self.specs, self.cache_budget_bytes(), cache.block_size,
+                              sched.max_num_seqs, sched.max_model_len)
+        # Testing knob: exactly `override` KV blocks (state slots sized as usual).
+        per_seq = sum(s.bytes_per_seq for s in self.specs if isinstance(s, RecurrentStateSpec))
+        roomy = 2 * (sched.max_num_seqs + 1) * per_seq + (override + 1) * cache.block_size * sum(
+            s.bytes_per_token for s in self.specs if isinstance(s, PagedKVSpec))
+        plan = plan_cache(self.specs, roomy, cache.block_size, sched.max_num_seqs, 1)
+        plan = dataclasses.replace(plan, num_blocks=override)
+        if plan.token_capacity < sched.max_model_len:
+            raise CacheTooSmallError(f"num_gpu_blocks_override={override} holds "
+                                     f"{plan.token_capacity} tokens < max_model_len="
+                                     f"{sched.max_model_len}")
+        return plan
 
     def init_cache(self, plan: CachePlan) -> None:
         self.plan = plan
