@@ -45,6 +45,15 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run ``fn`` on the engine thread (the only thread that may touch the engine's state)."""
+
+    fn: Any
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -105,6 +114,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    async def call_in_engine(self, fn: Any) -> Any:
+        """Run ``fn()`` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(_Call(fn, loop, future))
+        return await future
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call_in_engine(self.engine.reset_prefix_cache)
+
     def num_unfinished_requests(self) -> int:
         with self._lock:
             return len(self._queues)
@@ -128,13 +147,19 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
+        idle_reported = True
         try:
             while not self._stop.is_set():
-                self._apply_commands()
+                if self._apply_commands():
+                    idle_reported = False
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                    idle_reported = False
                 else:
+                    if not idle_reported:  # aborts freed blocks and no step will report it
+                        self.engine.record_idle_stats()
+                        idle_reported = True
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine: report it
@@ -146,14 +171,20 @@ class AsyncEngine:
             for request_id in request_ids:
                 self._deliver(request_id, error)
 
-    def _apply_commands(self) -> None:
+    def _apply_commands(self) -> bool:
+        """Apply queued commands; True if any changed the engine's state."""
+        changed = False
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return changed
+            changed = True
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
+                continue
+            if isinstance(command, _Call):
+                self._run_call(command)
                 continue
             with self._lock:
                 wanted = command.request_id in self._queues
@@ -164,6 +195,20 @@ class AsyncEngine:
                                         command.params, command.prompt, command.arrival_time)
             except ValueError as e:
                 self._deliver(command.request_id, e)
+
+    @staticmethod
+    def _run_call(command: _Call) -> None:
+        try:
+            result: Any = command.fn()
+            setter = command.future.set_result
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            result, setter = e, command.future.set_exception
+
+        def settle() -> None:
+            if not command.future.done():
+                setter(result)
+
+        command.loop.call_soon_threadsafe(settle)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:

@@ -140,6 +140,14 @@ class LLMEngine:
         self._record(stats)
         return outputs
 
+    def record_idle_stats(self) -> None:
+        """Report gauges and pending aborts when the engine goes idle: no step follows an abort
+        of the last request, and its freed blocks must still show in the metrics."""
+        stats = IterationStats()
+        stats.finished.extend(self._pending_aborts)
+        self._pending_aborts = []
+        self._record(stats)
+
     def _record(self, iteration: IterationStats) -> None:
         if not self.stat_loggers:
             self.scheduler.stats()  # drain the finished list

@@ -1,0 +1,255 @@
+"""Start the server: bind, load the engine, serve with uvicorn, drain on SIGTERM/SIGINT.
+
+    python -m qwenserve.entrypoints.openai.api_server --model MODEL [flags]   (vLLM's legacy form)
+    qwenserve serve [MODEL] [flags]
+
+The port is bound before the model loads, so a taken port fails in a second instead of after
+the load. Start-up failures (bad model, unsupported option) print one ``ERROR`` line and exit 1;
+``QWENSERVE_LOGGING_LEVEL=DEBUG`` adds the traceback. On SIGTERM or SIGINT the server stops
+accepting connections, lets running requests finish for up to ``--shutdown-timeout`` seconds,
+aborts the rest, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from qwenserve import envs
+from qwenserve.logger import init_logger
+
+logger = init_logger("qwenserve.entrypoints.openai.api_server")
+
+
+class _DeferredStatLogger:
+    """Handed to the engine before the Prometheus logger exists (its token buckets need
+    ``max_model_len``, which the engine resolves)."""
+
+    def __init__(self) -> None:
+        self.target: Any = None
+
+    def record(self, stats: Any) -> None:
+        if self.target is not None:
+            self.target.record(stats)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_engine_args(args: argparse.Namespace) -> Any:
+    from qwenserve.config import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.model = args.model_tag or args.model
+    return engine_args
+
+
+def _options(args: argparse.Namespace, model_name: str) -> Any:
+    from qwenserve.entrypoints.chat_utils import load_chat_template
+    from qwenserve.entrypoints.openai.serving_engine import ServingOptions
+
+    return ServingOptions(
+        served_model_names=list(args.served_model_name or [model_name]),
+        chat_template=load_chat_template(args.chat_template),
+        response_role=args.response_role,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        log_requests=not args.disable_log_requests,
+        max_log_len=args.max_log_len,
+        generation_overrides=dict(args.override_generation_config or {}),
+    )
+
+
+def _log_notes(args: argparse.Namespace) -> None:
+    if args.swap_space is not None:
+        logger.info("--swap-space is ignored, as in vLLM V1: preempted requests are recomputed")
+    if args.enable_reasoning:
+        logger.info(
+            "--enable-reasoning is deprecated in vLLM and ignored; --reasoning-parser "
+            "alone turns reasoning parsing on"
+        )
+    if args.enforce_eager:
+        logger.info("--enforce-eager: qwenserve always runs eagerly (no graphs, no compile)")
+
+
+def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Load the engine; returns (AsyncEngine, ServerState, registry)."""
+    from qwenserve.engine.async_engine import AsyncEngine
+    from qwenserve.entrypoints.openai.serving_engine import ServerState
+    from qwenserve.metrics.loggers import LoggingStatLogger
+    from qwenserve.metrics.prometheus import PrometheusStatLogger, make_registry
+
+    deferred = _DeferredStatLogger()
+    loggers: list[Any] = [deferred] if args.disable_log_stats else [deferred, LoggingStatLogger()]
+    engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers)
+    config = engine.config
+    options = _options(args, config.model.name)
+    root = getattr(config.model.source, "gguf_file", None) or config.model.source.folder
+    state = ServerState(engine, options, model_root=root)
+    registry = make_registry()
+    prom = PrometheusStatLogger(
+        registry,
+        state.model_name,
+        state.max_model_len,
+        show_hidden=args.show_hidden_metrics_for_version is not None,
+    )
+    plan = engine.engine.plan
+    prom.log_cache_config(
+        config.cache.block_size,
+        engine.engine.cache.enable_prefix_caching,
+        config.cache.gpu_memory_utilization,
+        plan.num_blocks,
+        plan.kv_bytes,
+    )
+    deferred.target = prom
+    return engine, state, registry
+
+
+def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> None:
+    config, plan = engine.config, engine.engine.plan
+    mc = config.model
+    logger.info(
+        "Serving %s as %s: %s, dtype %s, on %s; max_model_len %d; KV cache %s tokens, maximum "
+        "concurrency %.2fx at %s tokens per request; listening on %s://%s:%d",
+        mc.name,
+        ", ".join(repr(n) for n in state.options.served_model_names),
+        mc.architecture,
+        mc.dtype,
+        engine.engine.executor.describe_device(),
+        state.max_model_len,
+        f"{plan.token_capacity:,}",
+        plan.max_concurrency(state.max_model_len),
+        f"{state.max_model_len:,}",
+        scheme,
+        host,
+        port,
+    )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``qwenserve serve``; returns the process exit code."""
+    host = args.host or "0.0.0.0"
+    try:
+        sock = bind_socket(host, args.port)
+    except OSError as e:
+        logger.error(
+            "Cannot listen on %s:%d: %s (another server may be running there; pick "
+            "--port or stop it)",
+            host,
+            args.port,
+            e,
+        )
+        return 1
+    _log_notes(args)
+    try:
+        from qwenserve.entrypoints.chat_utils import load_chat_template
+
+        load_chat_template(args.chat_template)  # a missing file fails before the model loads
+        engine, state, registry = create_server_state(args)
+    except Exception as e:  # noqa: BLE001 - one clean line instead of a traceback
+        logger.debug("Start-up failed", exc_info=True)
+        logger.error("Cannot start the server: %s", e)
+        sock.close()
+        return 1
+    try:
+        app = _build_app(args, state, registry)
+        _log_summary(state, engine, host, args.port, "https" if args.ssl_certfile else "http")
+        serve(app, sock, args, state)
+    finally:
+        logger.info("Shutting down the engine")
+        engine.shutdown()
+    return 0
+
+
+def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
+    from qwenserve.entrypoints.openai.app import build_app
+
+    keys = [k for k in (args.api_key or [envs.api_key()]) if k]
+    cors = {
+        "allow_origins": args.allowed_origins,
+        "allow_methods": args.allowed_methods,
+        "allow_headers": args.allowed_headers,
+        "allow_credentials": args.allow_credentials,
+    }
+    app = build_app(
+        state,
+        registry,
+        api_keys=keys,
+        max_body_bytes=args.max_request_body_bytes,
+        cors=cors,
+        echo_request_id=args.enable_request_id_headers,
+        enable_docs=not args.disable_fastapi_docs,
+    )
+    for route in app.routes:
+        methods = ", ".join(sorted(getattr(route, "methods", None) or []))
+        logger.debug("Route: %s, Methods: %s", getattr(route, "path", route), methods)
+    return app
+
+
+def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> None:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not state.draining:
+                state.draining = True
+                logger.info(
+                    "Received %s: no new requests; waiting up to %.0f s for %d running request(s)",
+                    signal.Signals(sig).name,
+                    args.shutdown_timeout,
+                    state.engine.num_unfinished_requests(),
+                )
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # uvicorn prints this only for sockets it binds itself
+                host, port = sock.getsockname()[:2]
+                scheme = "https" if args.ssl_certfile else "http"
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme, host, port
+                )
+
+    config = uvicorn.Config(
+        app,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path or "",
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; with these handlers in place
+    # that re-raise is a no-op and the process exits 0 after a clean drain.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    _Server(config).run(sockets=[sock])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qwenserve.entrypoints.openai.cli_args import make_serve_parser
+
+    parser = make_serve_parser()
+    parser.prog = "python -m qwenserve.entrypoints.openai.api_server"
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""``qwenserve serve`` flags: vLLM's names, defaults and ``--help`` groups.
+
+Engine flags come from ``EngineArgs`` (one place per flag); this module adds the server's own
+(``Frontend``) and logging flags, ``--config FILE.yaml`` and ``--help=<group|flag>`` as vLLM
+has them, and a table of vLLM flags qwenserve knows but does not implement: those are accepted
+only with their default value and otherwise refused with "not implemented yet", never ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from typing import Any
+
+from qwenserve.config import EngineArgs, human_readable_int
+from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
+from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
+
+BOOL = argparse.BooleanOptionalAction
+# flag (+ aliases), argparse kwargs, the values that are no-ops here (None: not given)
+UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ...] = (
+    (("--uds",), {}, (None,)),
+    (("--kv-cache-dtype",), {}, (None, "auto")),
+    (("--pipeline-parallel-size", "-pp"), {"type": int}, (None, 1)),
+    (("--data-parallel-size", "-dp"), {"type": int}, (None, 1)),
+    (("--distributed-executor-backend",), {}, (None, "mp", "uni")),
+    (("--enable-chunked-prefill",), {"action": BOOL}, (None, True)),
+    (("--async-scheduling",), {"action": BOOL}, (None, False)),
+    (("--scheduling-policy",), {}, (None, "fcfs")),
+    (("--load-format",), {}, (None, "auto")),
+    (("--tokenizer-mode",), {}, (None, "auto", "hf")),
+    (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
+    (("--enable-lora",), {"action": BOOL}, (None, False)),
+    (("--lora-modules",), {"nargs": "+"}, (None,)),
+    (("--speculative-config",), {}, (None,)),
+    (("--compilation-config", "-cc"), {}, (None,)),
+    (("--additional-config",), {}, (None,)),
+    (("--hf-overrides",), {}, (None,)),
+    (("--kv-transfer-config",), {}, (None,)),
+    (("--guided-decoding-backend",), {}, (None,)),
+    (("--structured-outputs-config",), {}, (None,)),
+    (("--tool-parser-plugin",), {}, (None,)),
+    (("--reasoning-parser-plugin",), {}, (None,)),
+    (("--return-tokens-as-token-ids",), {"action": BOOL}, (None, False)),
+    (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
+    (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
+    (("--headless",), {"action": BOOL}, (None, False)),
+)
+
+
+def _json(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {value!r} ({e})") from e
+
+
+_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+_STORE = {"action": "store_true", "default": False}
+# The ``Frontend`` group: (flag, argparse kwargs incl. help), in vLLM's order where it has them.
+FRONTEND_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--host", {"help": "Host to bind (default: all interfaces)."}),
+    ("--port", {"type": int, "default": 8000, "help": "Port to listen on."}),
+    (
+        "--uvicorn-log-level",
+        {
+            "default": "info",
+            "choices": _LOG_LEVELS,
+            "help": "Log level of uvicorn (the HTTP server).",
+        },
+    ),
+    ("--disable-uvicorn-access-log", {**_STORE, "help": "No uvicorn line per HTTP request."}),
+    ("--allow-credentials", {**_STORE, "help": "CORS: allow credentials."}),
+    ("--allowed-origins", {"type": _json, "default": ["*"], "help": "CORS origins (JSON)."}),
+    ("--allowed-methods", {"type": _json, "default": ["*"], "help": "CORS methods (JSON)."}),
+    ("--allowed-headers", {"type": _json, "default": ["*"], "help": "CORS headers (JSON)."}),
+    (
+        "--api-key",
+        {
+            "nargs": "+",
+            "help": "Require one of these keys (Authorization: Bearer "
+            "KEY) on /v1 routes. Default: QWENSERVE_API_KEY or VLLM_API_KEY.",
+        },
+    ),
+    (
+        "--served-model-name",
+        {
+            "nargs": "+",
+            "help": "Names clients use for the model; the "
+            "first is reported in responses and metrics (default: the model "
+            "argument).",
+        },
+    ),
+    (
+        "--chat-template",
+        {"help": "Chat template: a Jinja file or the template text (default: the model's)."},
+    ),
+    (
+        "--chat-template-content-format",
+        {
+            "default": "auto",
+            "choices": ["auto", "string", "openai"],
+            "help": "How message content reaches the template: auto/string join text parts into "
+            "one string; openai keeps the list of parts.",
+        },
+    ),
+    (
+        "--trust-request-chat-template",
+        {**_STORE, "help": "Allow requests to carry their own chat_template."},
+    ),
+    (
+        "--default-chat-template-kwargs",
+        {
+            "type": _json,
+            "help": "Template kwargs for every request, e.g. "
+            "'{\"enable_thinking\": false}'; a request's own win.",
+        },
+    ),
+    ("--response-role", {"default": "assistant", "help": "Role of generated messages."}),
+    (
+        "--enable-auto-tool-choice",
+        {**_STORE, "help": "Parse tool calls from model output (needs --tool-call-parser)."},
+    ),
+    (
+        "--tool-call-parser",
+        {"help": f"Tool-call format: {', '.join(TOOL_PARSERS)} (Qwen2.5/Qwen3/QwQ)."},
+    ),
+    ("--enable-request-id-headers", {**_STORE, "help": "Echo X-Request-Id in responses."}),
+    (
+        "--enable-prompt-tokens-details",
+        {**_STORE, "help": "Report usage.prompt_tokens_details.cached_tokens."},
+    ),
+    (
+        "--enable-force-include-usage",
+        {**_STORE, "help": "Send a usage chunk at the end of every stream."},
+    ),
+    ("--disable-fastapi-docs", {**_STORE, "help": "Do not serve /docs and /redoc."}),
+    ("--ssl-keyfile", {"help": "TLS key file."}),
+    ("--ssl-certfile", {"help": "TLS certificate file."}),
+    ("--root-path", {"help": "ASGI root_path behind a path-based proxy."}),
+    (
+        "--max-log-len",
+        {"type": int, "help": "Longest prompt text (characters) shown in request log lines."},
+    ),
+    (
+        "--max-request-body-bytes",
+        {
+            "type": human_readable_int,
+            "default": 32 << 20,
+            "help": "Larger request bodies get 413 (qwenserve; default 32M).",
+        },
+    ),
+    (
+        "--shutdown-timeout",
+        {
+            "type": float,
+            "default": 30.0,
+            "help": "On SIGTERM/SIGINT, seconds to let running requests finish "
+            "before aborting them (0: abort at once, vLLM's "
+            "default).",
+        },
+    ),
+    ("--config", {"help": "YAML file of flags (keys are flag names); command-line flags win."}),
+)
+
+
+def _add_frontend(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Frontend")
+    for flag, kwargs in FRONTEND_FLAGS:
+        group.add_argument(flag, **{"default": None, **kwargs})
+
+
+def _add_engine_extras(parser: argparse.ArgumentParser) -> None:
+    model = next(g for g in parser._action_groups if g.title == "ModelConfig")
+    model.add_argument(
+        "--override-generation-config",
+        type=_json,
+        default=None,
+        help="Override default sampling values, e.g. '{\"temperature\": 0.5}'.",
+    )
+    cache = next(g for g in parser._action_groups if g.title == "CacheConfig")
+    cache.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        help="Ignored, as in vLLM V1 (preempted requests are recomputed).",
+    )
+    out = parser.add_argument_group("StructuredOutputsConfig")
+    out.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help=f"Reasoning format: {', '.join(REASONING_PARSERS)} (Qwen3 -> qwen3, "
+        "QwQ -> deepseek_r1).",
+    )
+    out.add_argument(
+        "--enable-reasoning",
+        action="store_true",
+        help="Deprecated in vLLM and ignored: --reasoning-parser is enough.",
+    )
+    obs = parser.add_argument_group("ObservabilityConfig")
+    obs.add_argument(
+        "--disable-log-stats", action="store_true", help="No periodic throughput/KV log line."
+    )
+    obs.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="No log line per request (qwenserve logs one by default).",
+    )
+    obs.add_argument(
+        "--enable-log-requests", action="store_true", help="Log one line per request (the default)."
+    )
+    obs.add_argument(
+        "--show-hidden-metrics-for-version",
+        default=None,
+        help="Also export metrics vLLM deprecated (vllm:gpu_cache_usage_perc, "
+        "vllm:time_per_output_token_seconds).",
+    )
+
+
+def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
+    listed = ", ".join(names[0] for names, _, _ in UNIMPLEMENTED)
+    g = parser.add_argument_group(
+        "Not implemented yet",
+        f"vLLM flags qwenserve accepts only at their default (or no-op) value: {listed}.",
+    )
+    for names, kwargs, _ in UNIMPLEMENTED:
+        g.add_argument(*names, default=None, help=argparse.SUPPRESS, **kwargs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """All ``serve`` flags on ``parser`` (the ``qwenserve serve`` subparser or a fresh one)."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        help="Model folder, hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct).",
+    )
+    _add_frontend(parser)
+    EngineArgs.add_cli_args(parser)
+    _add_engine_extras(parser)
+    _add_unimplemented(parser)
+    # The instance attribute overrides the class method, also when the parser is a subparser.
+    parser.parse_known_args = types.MethodType(_parse_known_args, parser)  # type: ignore
+
+
+def make_serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qwenserve serve",
+        allow_abbrev=False,
+        description="Start the OpenAI-compatible API server.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from qwenserve.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
+# ---- parsing: --config, --help=..., validation -------------------------------------------------
+def _parse_known_args(
+    self: argparse.ArgumentParser, args: Any = None, namespace: Any = None
+) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if args is None else args)
+    _maybe_filtered_help(self, argv)
+    argv = expand_config(self, argv)
+    ns, extra = argparse.ArgumentParser.parse_known_args(self, argv, namespace)
+    problem = validate_args(ns)
+    if problem:
+        self.error(problem)
+    return ns, extra
+
+
+def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--config FILE``: its flags go first, so flags on the command line override them."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    if path is None:
+        return argv
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"--config {path}: {e}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    return config_to_argv(parser, data) + argv
+
+
+def config_to_argv(parser: argparse.ArgumentParser, data: dict[str, Any]) -> list[str]:
+    known = {s for a in parser._actions for s in a.option_strings}
+    out: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag not in known:
+            parser.error(f"--config: unknown option {key!r}")
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+            elif "--no-" + flag[2:] in known:
+                out.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            out += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _maybe_filtered_help(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """vLLM's ``--help=listgroup``, ``--help=<group>`` and ``--help=<keyword>``."""
+    query = next((a.split("=", 1)[1] for a in argv if a.startswith("--help=")), None)
+    if query is None:
+        return
+    groups = [g for g in parser._action_groups if g._group_actions]
+    if query == "listgroup":
+        print("\n".join(g.title for g in groups if g.title))
+        parser.exit(0)
+    formatter = parser._get_formatter()
+    matched = [g for g in groups if (g.title or "").lower() == query.lower()]
+    for group in matched:
+        formatter.start_section(group.title)
+        formatter.add_arguments(group._group_actions)
+        formatter.end_section()
+    if not matched:
+        key = query.lower().lstrip("-").replace("_", "-")
+        actions = [
+            a for a in parser._actions if any(key in s.lstrip("-") for s in a.option_strings)
+        ]
+        formatter.start_section(f"flags matching {query!r}")
+        formatter.add_arguments(actions)
+        formatter.end_section()
+    print(formatter.format_help())
+    parser.exit(0)
+
+
+def validate_args(ns: argparse.Namespace) -> str | None:
+    """The first problem with the flags, worded with the fix; None when they are usable."""
+    for names, _, accepted in UNIMPLEMENTED:
+        value = getattr(ns, names[0].lstrip("-").replace("-", "_"), None)
+        if value not in accepted:
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            return f"{names[0]} {shown} is not implemented yet in qwenserve; remove it"
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        return f"the model is given twice ({ns.model_tag} and --model {ns.model}); give it once"
+    if ns.tool_call_parser and ns.tool_call_parser not in TOOL_PARSERS:
+        if ns.tool_call_parser in KNOWN_VLLM_TOOL_PARSERS:
+            return (
+                f"--tool-call-parser {ns.tool_call_parser} is not implemented yet in "
+                f"qwenserve; available: {', '.join(TOOL_PARSERS)}"
+            )
+        return f"--tool-call-parser {ns.tool_call_parser}: unknown; use {', '.join(TOOL_PARSERS)}"
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        return "--enable-auto-tool-choice requires --tool-call-parser"
+    if ns.reasoning_parser and ns.reasoning_parser not in REASONING_PARSERS:
+        known = ns.reasoning_parser in KNOWN_VLLM_REASONING_PARSERS
+        what = "is not implemented yet in qwenserve" if known else "is unknown"
+        return (
+            f"--reasoning-parser {ns.reasoning_parser} {what}; available: "
+            f"{', '.join(REASONING_PARSERS)}"
+        )
+    if ns.default_chat_template_kwargs is not None and not isinstance(
+        ns.default_chat_template_kwargs, dict
+    ):
+        return "--default-chat-template-kwargs must be a JSON object"
+    if ns.override_generation_config is not None and not isinstance(
+        ns.override_generation_config, dict
+    ):
+        return "--override-generation-config must be a JSON object"
+    if ns.shutdown_timeout < 0:
+        return "--shutdown-timeout must be >= 0 seconds"
+    return None

@@ -1,0 +1,154 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra fields.
+
+Unknown fields are accepted and ignored, as vLLM does (``extra="allow"``); the server logs them.
+Non-finite floats (``NaN``, ``Infinity``, which Python's JSON parser accepts) are refused here so
+they never reach the sampler. Range checks live in ``SamplingParams`` (one place, messages that
+name the field); the bounds below only keep values inside what the engine can represent.
+Responses are plain dicts built by the serving modules (cheaper per streamed chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MAX = 2**63 - 1
+MAX_N = 128  # n copies run as n sequences; a cap keeps one request from swamping the engine
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    priority: int = 0
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=-INT64_MAX, le=INT64_MAX)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
+    add_special_tokens: bool = True
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(0, ge=-INT64_MAX, le=INT64_MAX)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    include_reasoning: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]

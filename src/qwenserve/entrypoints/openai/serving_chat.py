@@ -1,0 +1,310 @@
+"""``POST /v1/chat/completions``: template, generate, then split reasoning and tool calls.
+
+The same per-choice parser chain turns model text into message fields whether the answer is
+streamed or not (a whole answer is one final delta), so both modes give the same result:
+
+    model text --ReasoningParser--> reasoning | content --HermesToolParser--> content | tool_calls
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from qwenserve.entrypoints.chat_utils import (
+    ChatMessageError,
+    ChatTemplateError,
+    normalize_messages,
+    render_chat,
+)
+from qwenserve.entrypoints.openai.errors import OpenAIError, bad_request
+from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
+from qwenserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from qwenserve.entrypoints.openai.serving_engine import (
+    ServerState,
+    build_sampling_params,
+    chat_logprobs,
+    engine_error,
+    log_request,
+    resolve_max_tokens,
+    usage,
+)
+from qwenserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from qwenserve.entrypoints.openai.tool_parsers.hermes import stream_delta
+from qwenserve.outputs import CompletionOutput, RequestOutput
+from qwenserve.sampling_params import SamplingParams
+
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "chat_template",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+@dataclass
+class ChatJob:
+    request: ChatCompletionRequest
+    public_id: str
+    engine_id: str
+    model: str
+    prompt_text: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    parse_tools: bool
+    created: int
+    start_s: float
+
+
+def _check_tool_choice(state: ServerState, req: ChatCompletionRequest) -> bool:
+    """Validate tools/tool_choice as vLLM does; True when tool calls are to be parsed."""
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not req.tools:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if not req.tools or choice == "none":
+        return False
+    if choice in (None, "auto"):
+        if not (state.options.enable_auto_tool_choice and state.options.tool_call_parser):
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set",
+                "tool_choice",
+            )
+        return True
+    raise bad_request(
+        f"tool_choice {choice if isinstance(choice, str) else 'named function'!r} "
+        "needs structured outputs, which qwenserve does not support yet; use "
+        '"auto"',
+        "tool_choice",
+    )
+
+
+def _template_kwargs(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = {**state.options.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+
+
+def render_prompt(
+    state: ServerState,
+    messages: list[Any],
+    *,
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list[Any] | None,
+    template_kwargs: dict[str, Any],
+    documents: list[dict] | None = None,
+) -> str:
+    """Messages -> prompt text with the request's, the server's or the model's template."""
+    if chat_template is not None and not state.options.trust_request_chat_template:
+        raise bad_request(
+            "Chat template is passed with request, but "
+            "--trust-request-chat-template is not set. Refused request with "
+            "untrusted chat template.",
+            "chat_template",
+        )
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    fmt = "openai" if state.options.chat_template_content_format == "openai" else "string"
+    try:
+        dicts = normalize_messages([m.model_dump(exclude_none=True) for m in messages], fmt)
+        if documents:
+            template_kwargs = {**template_kwargs, "documents": documents}
+        return render_chat(
+            state.tokenizer,
+            dicts,
+            chat_template or state.options.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
+    except ChatMessageError as e:
+        raise bad_request(str(e), e.param) from e
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
+
+
+def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str | None) -> ChatJob:
+    model = state.check_model(req.model)
+    parse_tools = _check_tool_choice(state, req)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request(
+            "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+        )
+    if req.echo:
+        raise bad_request("echo is not supported by qwenserve's chat endpoint yet", "echo")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    text = render_prompt(
+        state,
+        req.messages,
+        chat_template=req.chat_template,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        tools=tools,
+        template_kwargs=_template_kwargs(state, req),
+        documents=req.documents,
+    )
+    ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    if not ids:
+        raise bad_request("The chat template rendered an empty prompt", "messages")
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    max_tokens = resolve_max_tokens(state, requested, len(ids))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_sampling_params(state, req, max_tokens, logprobs, bool(req.stream))
+    public_id, engine_id = state.request_ids("chatcmpl", request_id)
+    return ChatJob(
+        req,
+        public_id,
+        engine_id,
+        model,
+        text,
+        ids,
+        params,
+        parse_tools,
+        int(time.time()),
+        time.monotonic(),
+    )
+
+
+class ChoiceParser:
+    """Reasoning and tool-call parsing of one choice (``n`` choices -> ``n`` parsers)."""
+
+    def __init__(self, state: ServerState, job: ChatJob) -> None:
+        name = state.options.reasoning_parser
+        self.reasoning = REASONING_PARSERS[name](job.prompt_text) if name else None
+        tool_name = state.options.tool_call_parser
+        self.tools = TOOL_PARSERS[tool_name]() if job.parse_tools and tool_name else None
+        self.include_reasoning = job.request.include_reasoning
+        self.num_calls = 0
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning is not None or self.tools is not None
+
+    def feed(self, text: str, final: bool) -> dict[str, Any]:
+        """Model text -> the message fields it settles (a streamed ``delta``)."""
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, final)
+        delta: dict[str, Any] = {}
+        if reasoning and self.include_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
+        if content or not self.active:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [stream_delta(c, self.num_calls + i) for i, c in enumerate(calls)]
+            self.num_calls += len(calls)
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.num_calls and reason is not None else reason
+
+
+def _message(state: ServerState, job: ChatJob, comp: CompletionOutput) -> tuple[dict, str]:
+    parser = ChoiceParser(state, job)
+    delta = parser.feed(comp.text, final=True)
+    reasoning = delta.get("reasoning")
+    if (
+        reasoning is None
+        and parser.reasoning is not None
+        and parser.reasoning.saw_reasoning
+        and parser.include_reasoning
+    ):
+        reasoning = ""
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", [])]
+    content = delta.get("content")
+    message = {
+        "role": state.options.response_role,
+        "content": content if content or not parser.active else None,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": calls,
+        "reasoning": reasoning,
+        "reasoning_content": reasoning,
+    }
+    return message, parser.finish_reason(comp.finish_reason) or "stop"
+
+
+def log_chat(state: ServerState, job: ChatJob, usage_body: Any, finish: str) -> None:
+    log_request(
+        state,
+        job.public_id,
+        "/v1/chat/completions",
+        job.prompt_text,
+        usage_body,
+        finish,
+        job.start_s,
+    )
+
+
+def _choice(state: ServerState, job: ChatJob, comp: CompletionOutput) -> dict[str, Any]:
+    message, finish = _message(state, job, comp)
+    logprobs = chat_logprobs(state, comp.token_ids, comp.logprobs, job.request.top_logprobs or 0)
+    return {
+        "index": comp.index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+        "stop_reason": comp.stop_reason,
+    }
+
+
+async def chat_complete(
+    state: ServerState, job: ChatJob, agen: AsyncIterator[RequestOutput]
+) -> dict[str, Any]:
+    """The non-streaming response (``agen`` yields one final output)."""
+    final: RequestOutput | None = None
+    try:
+        async for out in agen:
+            final = out
+    except asyncio.CancelledError:
+        log_chat(state, job, None, "abort (client left)")
+        raise
+    except Exception as e:
+        log_chat(state, job, None, "error")
+        raise engine_error(e) from e
+    if final is None:
+        raise OpenAIError("The engine returned no output", 500)
+    choices = [_choice(state, job, c) for c in sorted(final.outputs, key=lambda c: c.index)]
+    num_output = sum(len(c.token_ids) for c in final.outputs)
+    usage_body = usage(state, len(job.prompt_ids), num_output, final.num_cached_tokens)
+    log_chat(state, job, usage_body, ",".join(c["finish_reason"] for c in choices))
+    return {
+        "id": job.public_id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": usage_body,
+        "system_fingerprint": None,
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }

@@ -1,0 +1,316 @@
+"""What every OpenAI handler shares: the server state, the model check, request -> SamplingParams
+(with vLLM's defaults and checks), logprobs formatting, and the one log line per request."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from qwenserve.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    context_length_error,
+    from_value_error,
+    model_not_found,
+)
+from qwenserve.entrypoints.openai.protocol import SamplingRequest
+from qwenserve.logger import init_logger
+from qwenserve.outputs import Logprob
+from qwenserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger("qwenserve.entrypoints.openai")
+
+# vLLM's fallbacks when neither the request nor generation_config.json sets a value.
+_NEUTRAL_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+@dataclass
+class ServingOptions:
+    """Server-side options (the ``Frontend`` flags) the handlers consult."""
+
+    served_model_names: list[str]
+    chat_template: str | None = None
+    response_role: str = "assistant"
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    trust_request_chat_template: bool = False
+    chat_template_content_format: str = "auto"
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    log_requests: bool = True
+    max_log_len: int | None = None
+    generation_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+class ServerState:
+    """The engine plus everything derived from it once at start-up."""
+
+    def __init__(self, engine: Any, options: ServingOptions, model_root: str | None = None) -> None:
+        self.engine = engine
+        self.options = options
+        config = engine.config
+        self.model_name = options.served_model_names[0]
+        self.model_root = model_root or config.model.name
+        self.max_model_len = int(config.scheduler.max_model_len)
+        self.max_logprobs = int(getattr(config, "max_logprobs", 20))
+        self.vocab_size = int(config.model.vocab_size)
+        self.tokenizer = engine.get_tokenizer()
+        self.generation_defaults = {
+            **config.model.generation_defaults,
+            **options.generation_overrides,
+        }
+        self.created = int(time.time())
+        self.draining = False
+        self._counter = itertools.count()
+
+    def check_model(self, model: str | None) -> str:
+        """The name to report for ``model``; 404 for a name this server does not serve."""
+        if model and model not in self.options.served_model_names:
+            raise model_not_found(model)
+        return self.model_name
+
+    def request_ids(self, prefix: str, header_id: str | None) -> tuple[str, str]:
+        """(id shown to the client, id inside the engine). A client's ``X-Request-Id`` may repeat
+        across requests; the engine's id must not, so a counter is appended to it."""
+        public = f"{prefix}-{header_id or uuid.uuid4().hex}"
+        return public, f"{public}-{next(self._counter)}"
+
+    def check_prompt_ids(self, token_ids: list[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"Token id {bad} is out of vocabulary (size {self.vocab_size})", "prompt"
+            )
+
+
+def check_unsupported(req: SamplingRequest) -> None:
+    """Fields qwenserve understands but cannot honour yet: refuse them rather than ignore."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("Stream options can only be defined when stream=True.", "stream_options")
+    if req.use_beam_search:
+        raise bad_request("beam search is not supported by qwenserve yet", "use_beam_search")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by qwenserve yet", "logit_bias")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(
+            f"response_format {req.response_format.type!r} needs structured "
+            "outputs, which qwenserve does not support yet",
+            "response_format",
+        )
+    if req.priority:
+        raise bad_request(
+            "priority scheduling is not enabled (qwenserve schedules first come, first served)",
+            "priority",
+        )
+
+
+def resolve_max_tokens(
+    state: ServerState, requested: int | None, num_prompt_tokens: int
+) -> int | None:
+    """vLLM's rule: the smallest of the room left in the context, the request's value and the
+    model's ``max_new_tokens``; a request that cannot fit is a 400 with both numbers."""
+    if num_prompt_tokens >= state.max_model_len or (
+        requested is not None
+        and requested > 0
+        and num_prompt_tokens + requested > state.max_model_len
+    ):
+        raise context_length_error(state.max_model_len, num_prompt_tokens, requested)
+    if requested is not None and requested < 1:
+        return requested  # SamplingParams words the error
+    room = state.max_model_len - num_prompt_tokens
+    caps = [v for v in (room, requested, state.generation_defaults.get("max_tokens")) if v]
+    return min(caps)
+
+
+def build_sampling_params(
+    state: ServerState,
+    req: SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    stream: bool,
+) -> SamplingParams:
+    """Request fields -> SamplingParams; unset values come from generation_config.json
+    (``--generation-config auto``), then vLLM's neutral defaults."""
+    check_unsupported(req)
+    defaults = state.generation_defaults
+
+    def pick(name: str) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, _NEUTRAL_DEFAULTS[name])
+
+    if logprobs is not None and logprobs > state.max_logprobs:
+        raise bad_request(
+            f"logprobs {logprobs} is more than the server's max_logprobs ({state.max_logprobs})",
+            "logprobs",
+        )
+    try:
+        return SamplingParams(
+            n=req.n,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty"),
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+    except (ValueError, TypeError) as e:
+        raise from_value_error(ValueError(str(e))) from e
+
+
+def engine_error(error: BaseException) -> OpenAIError:
+    """An exception from ``AsyncEngine.generate`` -> the client's error."""
+    if isinstance(error, ValueError):
+        return from_value_error(error)
+    return OpenAIError(f"The engine is not running: {error}", 503)
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(
+        ((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank > 0),
+        key=lambda item: item[1].rank,
+    )
+    return ranked[:k]
+
+
+def _token_text(state: ServerState, token_id: int, lp: Logprob) -> str:
+    if lp.decoded_token is not None:
+        return lp.decoded_token
+    return state.tokenizer.decode([token_id])
+
+
+def chat_logprobs(
+    state: ServerState, token_ids: list[int], entries: list[dict[int, Logprob]] | None, top_k: int
+) -> dict | None:
+    """OpenAI chat format: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if entries is None:
+        return None
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        lp = entry[token_id]
+        text = _token_text(state, token_id, lp)
+        content.append(
+            {
+                "token": text,
+                "logprob": max(lp.logprob, -9999.0),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (t := _token_text(state, tid, tlp)),
+                        "logprob": max(tlp.logprob, -9999.0),
+                        "bytes": list(t.encode()),
+                    }
+                    for tid, tlp in _top(entry, top_k)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    state: ServerState,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob]] | None,
+    top_k: int,
+    text_offset: int = 0,
+) -> dict | None:
+    """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset. The
+    sampled token is always among the top entries (so up to ``logprobs + 1``), as OpenAI does."""
+    if entries is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        lp = entry[token_id]
+        text = _token_text(state, token_id, lp)
+        tokens.append(text)
+        token_logprobs.append(max(lp.logprob, -9999.0))
+        top = {
+            _token_text(state, t, tlp): max(tlp.logprob, -9999.0) for t, tlp in _top(entry, top_k)
+        }
+        top.setdefault(text, max(lp.logprob, -9999.0))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
+
+
+# ---- usage and logging ------------------------------------------------------------------------
+def usage(
+    state: ServerState,
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+    num_cached_tokens: int = 0,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+    if state.options.enable_prompt_tokens_details:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return body
+
+
+def log_request(
+    state: ServerState,
+    request_id: str,
+    endpoint: str,
+    prompt: Any,
+    usage_body: dict[str, Any] | None,
+    finish: str,
+    start_s: float,
+) -> None:
+    """One INFO line per request (``--disable-log-requests`` turns it off)."""
+    if not state.options.log_requests:
+        return
+    text = repr(prompt)
+    limit = state.options.max_log_len
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "..."
+    tokens = (
+        (
+            f"prompt_tokens={usage_body['prompt_tokens']}, "
+            f"completion_tokens={usage_body['completion_tokens']}, "
+        )
+        if usage_body
+        else ""
+    )
+    logger.info(
+        "Request %s %s: finish_reason=%s, %s%.3f s, prompt: %s",
+        request_id,
+        endpoint,
+        finish,
+        tokens,
+        time.monotonic() - start_s,
+        text,
+    )

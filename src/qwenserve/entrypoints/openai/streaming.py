@@ -1,0 +1,125 @@
+"""SSE and disconnect plumbing shared by the streaming and non-streaming handlers.
+
+A client that goes away must stop its request at once (its KV blocks return to the pool): the
+streaming response races the body against ``http.disconnect`` (for every ASGI version, not only
+the pre-2.4 path Starlette takes on its own) and always closes the body iterator, which closes
+the engine's generator, which aborts the request. Non-streaming handlers run under
+``cancel_on_disconnect`` for the same effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """``text/event-stream`` whose body is cancelled and closed when the client disconnects."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client vanished while we were sending
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await _wait_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it (aborting its engine requests)
+    and return None (nobody is left to read a response)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive: yields (iterator index, item).
+
+    Used for a completions request with several prompts. Exceptions propagate; on exit every
+    iterator is closed (aborting its engine request if it had not finished).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    sentinel = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+            await queue.put((i, sentinel))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is sentinel:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for it in iterators:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def chain_first(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``first`` (an item already pulled from ``rest``), then the rest of ``rest``."""
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item

@@ -1,0 +1,210 @@
+"""The app in-process around a scripted engine that emits a fixed Qwen-style answer (thinking,
+then a tool call), driven by the ``openai`` client: reasoning and tool-call fields, streamed and
+not, exactly as a real Qwen3 model would produce them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from qwenserve.entrypoints.openai.api_server import _build_app
+from qwenserve.entrypoints.openai.cli_args import make_serve_parser
+from qwenserve.entrypoints.openai.serving_engine import ServerState, ServingOptions
+from qwenserve.metrics.prometheus import make_registry
+from qwenserve.outputs import CompletionOutput, RequestOutput
+from qwenserve.sampling_params import RequestOutputKind
+
+SCRIPT = [
+    "<think>",
+    "\nLet me ",
+    "check.</th",
+    "ink>\n\nSure, ",
+    "checking.",
+    "<tool_",
+    'call>\n{"name": "get_weather", ',
+    '"arguments": {"city": "Paris"}}\n</tool_call>',
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+MSG = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class ScriptedEngine:
+    """``AsyncEngine``'s interface; every request produces SCRIPT, one piece per step."""
+
+    is_running = True
+
+    def __init__(self, tokenizer, generation_defaults=None) -> None:
+        self.tokenizer = tokenizer
+        self.params = []
+        model = SimpleNamespace(
+            name="scripted",
+            vocab_size=len(tokenizer),
+            generation_defaults=generation_defaults or {},
+        )
+        self.config = SimpleNamespace(
+            model=model, max_logprobs=20, scheduler=SimpleNamespace(max_model_len=256)
+        )
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def num_unfinished_requests(self) -> int:
+        return 0
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    async def generate(self, prompt_ids, params, request_id, prompt=None):
+        self.params.append(params)
+
+        def output(texts, finished):
+            outs = [
+                CompletionOutput(
+                    i, "".join(texts), [7] * len(texts), finish_reason="stop" if finished else None
+                )
+                for i in range(params.n)
+            ]
+            return RequestOutput(request_id, prompt, prompt_ids, outs, finished)
+
+        if params.output_kind == RequestOutputKind.FINAL_ONLY:
+            yield output(SCRIPT, True)
+            return
+        for i, piece in enumerate(SCRIPT):
+            await asyncio.sleep(0)
+            yield output([piece], i == len(SCRIPT) - 1)
+
+
+@pytest.fixture
+def client(monkeypatch):
+    from helpers.tiny_models import build_tokenizer
+
+    monkeypatch.setenv("QWENSERVE_API_KEY", "env-key")
+    args = make_serve_parser().parse_args(["--served-model-name", "qwen3"])
+    options = ServingOptions(
+        ["qwen3"], reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True
+    )
+    app = _build_app(
+        args,
+        ServerState(ScriptedEngine(build_tokenizer()), options),
+        make_registry(process_metrics=False),
+    )
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return openai.AsyncOpenAI(
+        base_url="http://test/v1", api_key="env-key", http_client=http, max_retries=0
+    )
+
+
+def test_whole_answer_has_reasoning_content_and_tool_calls(client):
+    out = asyncio.run(client.chat.completions.create(model="qwen3", messages=MSG, tools=TOOLS))
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    message = choice.message
+    assert message.model_extra["reasoning_content"] == "\nLet me check."
+    assert message.model_extra["reasoning"] == "\nLet me check."
+    assert message.content == "\n\nSure, checking."
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("chatcmpl-tool-")
+
+
+def test_streamed_answer_gives_the_same_fields(client):
+    async def main():
+        stream = await client.chat.completions.create(
+            model="qwen3", messages=MSG, tools=TOOLS, stream=True
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(main())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasoning = content = ""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        assert extra.get("reasoning") == extra.get("reasoning_content")
+        reasoning += extra.get("reasoning_content") or ""
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = entry["id"] or tc.id
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+    assert reasoning == "\nLet me check." and content == "\n\nSure, checking."
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "<tool_call>" not in content and "<think>" not in reasoning
+
+
+def test_without_tools_the_call_stays_content_and_reasoning_can_be_dropped(client):
+    out = asyncio.run(
+        client.chat.completions.create(
+            model="qwen3", messages=MSG, extra_body={"include_reasoning": False}
+        )
+    )
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "stop" and not message.tool_calls
+    assert message.content.startswith("\n\nSure, checking.<tool_call>")
+    assert message.model_extra["reasoning_content"] is None
+
+
+def test_api_key_from_the_environment(client):
+    bad = openai.AsyncOpenAI(
+        base_url="http://test/v1", api_key="other", http_client=client._client, max_retries=0
+    )
+
+    async def first_model(c):
+        return (await c.models.list()).data[0].id
+
+    with pytest.raises(openai.AuthenticationError):
+        asyncio.run(first_model(bad))
+    assert asyncio.run(first_model(client)) == "qwen3"
+
+
+def test_generation_config_defaults_fill_unset_fields():
+    """--generation-config auto: the model's values for fields the request leaves unset, and
+    max_new_tokens as a cap; --override-generation-config on top."""
+    from helpers.tiny_models import build_tokenizer
+
+    engine = ScriptedEngine(build_tokenizer(), {"temperature": 0.6, "top_k": 20, "max_tokens": 9})
+    options = ServingOptions(["m"], generation_overrides={"top_p": 0.8})
+    args = make_serve_parser().parse_args([])
+    app = _build_app(args, ServerState(engine, options), make_registry(process_metrics=False))
+
+    async def call(**kwargs):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            body = {"messages": MSG, **kwargs}
+            return (await c.post("/v1/chat/completions", json=body)).status_code
+
+    assert asyncio.run(call()) == 200
+    p = engine.params[-1]
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.8, 9)
+    assert asyncio.run(call(temperature=0.0, max_tokens=100)) == 200
+    p = engine.params[-1]
+    assert p.temperature == 0.0 and p.max_tokens == 9
+
+
+def test_vllm_api_key_env_is_honoured(monkeypatch):
+    from helpers.tiny_models import build_tokenizer
+
+    monkeypatch.delenv("QWENSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    args = make_serve_parser().parse_args([])
+    state = ServerState(ScriptedEngine(build_tokenizer()), ServingOptions(["m"]))
+    app = _build_app(args, state, make_registry(process_metrics=False))
+
+    async def status(key):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            headers = {"Authorization": f"Bearer {key}"}
+            return (await c.get("/v1/models", headers=headers)).status_code
+
+    assert asyncio.run(status("vllm-key")) == 200
+    assert asyncio.run(status("other")) == 401

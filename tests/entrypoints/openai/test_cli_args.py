@@ -1,0 +1,220 @@
+"""``qwenserve serve`` flags: vLLM's names, groups and defaults; refusals that say why; --config;
+start-up failures as one line and exit code 1; ``qwenserve chat``."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from qwenserve.entrypoints.cli import main as cli_main
+from qwenserve.entrypoints.openai.cli_args import make_serve_parser
+
+ISSUE_FLAGS = [
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--api-key",
+    "--dtype",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--block-size",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--gpu-memory-utilization",
+    "--kv-cache-memory-bytes",
+    "--tensor-parallel-size",
+    "--quantization",
+    "--seed",
+    "--enforce-eager",
+    "--chat-template",
+    "--generation-config",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "--reasoning-parser",
+    "--disable-log-requests",
+    "--uvicorn-log-level",
+    "--trust-remote-code",
+    "--config",
+]
+
+
+def parse(argv: list[str]):
+    return make_serve_parser().parse_args(argv)
+
+
+def test_every_flag_of_the_issue_with_vllm_defaults():
+    parser = make_serve_parser()
+    known = {s for a in parser._actions for s in a.option_strings}
+    assert not [f for f in ISSUE_FLAGS if f not in known]
+    ns = parse(["Qwen/Qwen3-0.6B"])
+    assert ns.model_tag == "Qwen/Qwen3-0.6B" and ns.port == 8000 and ns.host is None
+    assert ns.dtype == "auto" and ns.gpu_memory_utilization == 0.9 and ns.seed == 0
+    assert ns.enable_prefix_caching is True and ns.uvicorn_log_level == "info"
+    assert ns.tensor_parallel_size == 1 and ns.api_key is None
+    ns = parse(
+        [
+            "m",
+            "--max-model-len",
+            "32k",
+            "--kv-cache-memory-bytes",
+            "4G",
+            "-tp",
+            "1",
+            "--served-model-name",
+            "a",
+            "b",
+            "--no-enable-prefix-caching",
+        ]
+    )
+    assert ns.max_model_len == 32000 and ns.kv_cache_memory_bytes == 4 << 30
+    assert ns.served_model_name == ["a", "b"] and ns.enable_prefix_caching is False
+
+
+def test_help_groups_like_vllm(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for group in (
+        "Frontend",
+        "ModelConfig",
+        "CacheConfig",
+        "SchedulerConfig",
+        "ParallelConfig",
+        "LoadConfig",
+    ):
+        assert f"\n{group}:" in out, group
+    with pytest.raises(SystemExit):
+        parse(["--help=listgroup"])
+    assert "Frontend" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parse(["--help=max-num-seqs"])
+    out = capsys.readouterr().out
+    assert "--max-num-seqs" in out and "--port" not in out
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not implemented yet"),
+        (["-pp", "2"], "--pipeline-parallel-size 2 is not implemented yet"),
+        (["--distributed-executor-backend", "ray"], "not implemented yet"),
+        (["--no-enable-chunked-prefill"], "--enable-chunked-prefill False is not implemented yet"),
+        (["--lora-modules", "a=b"], "--lora-modules a=b is not implemented yet"),
+        (["--tool-call-parser", "qwen3_coder"], "qwen3_coder is not implemented yet"),
+        (["--reasoning-parser", "granite"], "granite is not implemented yet"),
+        (["--reasoning-parser", "nonsense"], "nonsense is unknown"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_refused_flags_say_why(capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        parse(["model", *argv])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_flags_vllm_ignores_or_defaults_are_accepted():
+    ns = parse(
+        [
+            "m",
+            "--swap-space",
+            "4",
+            "--kv-cache-dtype",
+            "auto",
+            "-pp",
+            "1",
+            "--distributed-executor-backend",
+            "mp",
+            "--enable-chunked-prefill",
+            "--enforce-eager",
+            "--trust-remote-code",
+            "--enable-reasoning",
+            "--disable-log-requests",
+            "--reasoning-parser",
+            "qwen3",
+        ]
+    )
+    assert ns.swap_space == 4 and ns.enforce_eager and ns.trust_remote_code
+
+
+def test_config_yaml_and_command_line_wins(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /models/qwen\nport: 9000\nserved_model_name: [a, b]\n"
+        "enable-prefix-caching: false\nmax-model-len: 4k\n"
+        "default-chat-template-kwargs: {enable_thinking: false}\n"
+    )
+    ns = parse(["--config", str(config), "--port", "9100"])
+    assert ns.model == "/models/qwen" and ns.port == 9100 and ns.served_model_name == ["a", "b"]
+    assert ns.enable_prefix_caching is False and ns.max_model_len == 4000
+    assert ns.default_chat_template_kwargs == {"enable_thinking": False}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("not_a_flag: 1\n")
+    with pytest.raises(SystemExit):
+        parse(["--config", str(bad)])
+
+
+def test_startup_failure_is_one_line_and_exit_1(tiny_model_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qwenserve.entrypoints.cli",
+            "serve",
+            tiny_model_path,
+            "--quantization",
+            "compressed-tensors",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "quantization" in errors[0], proc.stderr
+
+
+def test_chat_repl_streams_replies(tiny_model_path):
+    from qwenserve.entrypoints import chat
+
+    parser = make_chat_parser()
+    args = parser.parse_args(
+        [
+            tiny_model_path,
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--kv-cache-memory-bytes",
+            "16M",
+        ]
+    )
+    out = io.StringIO()
+    code = chat.run(args, stdin=io.StringIO("Hello\n/reset\nHi again\n/exit\n"), stdout=out)
+    text = out.getvalue()
+    assert code == 0 and "\n(conversation cleared)\n" in text
+    assert text.index("(conversation cleared)") > 0 and not text.endswith("cleared)\n")
+
+
+def make_chat_parser():
+    import argparse
+
+    from qwenserve.entrypoints import chat
+
+    parser = argparse.ArgumentParser()
+    chat.add_arguments(parser)
+    return parser
