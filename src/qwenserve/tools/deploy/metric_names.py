@@ -1,39 +1,17 @@
-"""The Prometheus metrics qwenserve exports, in one place for the dashboard, alerts and tests.
-
-Names and types follow vLLM's V1 ``PrometheusStatLogger`` (labels ``model_name`` and ``engine``),
-so dashboards built for ``vllm serve`` keep working. Counters carry their ``_total`` suffix as
-exposed; histograms are queried through ``_bucket``/``_sum``/``_count``. When the server's own
-metric table (``qwenserve.metrics.prometheus``) exists it becomes the source of truth and the
-deploy tests compare this list against it.
+"""The Prometheus series the dashboard and alerts may query, derived from the server's own
+metric table (``qwenserve.metrics.prometheus.METRICS``), so they can never name a metric the
+server does not export. Counters carry their ``_total`` suffix as exposed; histograms are
+queried through ``_bucket``/``_sum``/``_count``.
 """
 
 from __future__ import annotations
 
-GAUGES: tuple[str, ...] = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",  # fraction 0-1
-)
+from qwenserve.metrics.prometheus import METRICS
 
-COUNTERS: tuple[str, ...] = (
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",  # label finished_reason
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:num_preemptions_total",
-)
-
-HISTOGRAMS: tuple[str, ...] = (
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-    "vllm:iteration_tokens_total",  # a histogram despite the suffix, as in vLLM
-)
-
+_VISIBLE = tuple(m for m in METRICS if not m.hidden)
+GAUGES: tuple[str, ...] = tuple(m.exposed_name for m in _VISIBLE if m.kind == "gauge")
+COUNTERS: tuple[str, ...] = tuple(m.exposed_name for m in _VISIBLE if m.kind == "counter")
+HISTOGRAMS: tuple[str, ...] = tuple(m.exposed_name for m in _VISIBLE if m.kind == "histogram")
 EXPORTED_METRICS: tuple[str, ...] = GAUGES + COUNTERS + HISTOGRAMS
 HISTOGRAM_SUFFIXES: tuple[str, ...] = ("_bucket", "_sum", "_count")
 
