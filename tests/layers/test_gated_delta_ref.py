@@ -10,6 +10,7 @@ from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from qwenserve.layers.recurrent import (
+    TorchRefRecurrentBackend,
     build_gdn_metadata,
     causal_conv1d_varlen,
     gated_delta_net_forward,
@@ -212,3 +213,33 @@ def test_layer_matches_hf_module_in_bf16() -> None:
     meta = build_gdn_metadata([0, 70], [1], [False])
     got = our_layer(layer, x[0], conv_pool.bfloat16(), ssm_pool, meta)
     torch.testing.assert_close(got, layer(x)[0], atol=2e-2, rtol=2e-2)
+
+
+def test_metadata_layout_matches_the_documented_example() -> None:
+    """GDNMetadata's docstring example: d0, p1 (5 tokens), d2, p3 (150 tokens), C = 64."""
+    lens = [1, 5, 1, 150]
+    meta = build_gdn_metadata(cu(lens), [10, 11, 12, 13], [True, False, True, True])
+    assert meta.decode_tokens.tolist() == [0, 6] and meta.decode_slots.tolist() == [10, 12]
+    assert meta.prefill_slots.tolist() == [13, 11] and meta.active_per_step == (2, 1, 1)
+    assert meta.num_chunks == 4
+    p3, p1 = meta.prefill_padded_pos[:150].tolist(), meta.prefill_padded_pos[150:].tolist()
+    assert p3 == [*range(0, 64), *range(128, 192), *range(192, 214)]  # chunks 0, 2, 3
+    assert p1 == list(range(64, 69))  # chunk 1, beside p3's first chunk
+    assert meta.chunk_token[64:69].tolist() == list(range(1, 6))
+    assert meta.chunk_pad_pos.tolist() == [*range(69, 128), *range(214, 256)]
+
+
+def test_backend_runs_a_decode_only_step() -> None:
+    backend = TorchRefRecurrentBackend()
+    meta = backend.build_metadata([0, 1, 2, 3], [2, 0, 1], [True, True, False], "cpu")
+    conv_state = torch.randn(3, K - 1, 5)  # [num_slots, K-1, conv_dim]
+    x = torch.randn(3, 5)
+    y = backend.causal_conv1d(x, torch.randn(5, 1, K), torch.randn(5), conv_state, meta)
+    assert y.shape == (3, 5) and torch.equal(conv_state[1], torch.cat([torch.zeros(2, 5), x[2:]]))
+    q, k, v, g, beta = make_qkvgb(3, seed=6)
+    pool = torch.randn(3, HV, DK, DV)
+    before = pool.clone()
+    out = backend.gated_delta_rule(q, k, v, g, beta, pool, meta)
+    o, s = recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], before[2])
+    torch.testing.assert_close(out[:1], o)
+    torch.testing.assert_close(pool[2], s)

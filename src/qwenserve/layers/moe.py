@@ -88,7 +88,7 @@ class MoEShard:
     tp_rank: int = 0
     tp_size: int = 1
 
-    def local_experts(self, num_experts: int) -> range:
+    def expert_range(self, num_experts: int) -> range:
         count = self.num_local_experts or num_experts - self.expert_start
         return range(self.expert_start, self.expert_start + count)
 
@@ -123,24 +123,24 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.shard = shard or MoEShard()
-        self.experts = self.shard.local_experts(num_experts)
+        self.local_experts = self.shard.expert_range(num_experts)
         self.i_slice = self.shard.intermediate_slice(intermediate_size)
-        num_local, inter = len(self.experts), self.i_slice.stop - self.i_slice.start
+        num_local, inter = len(self.local_experts), self.i_slice.stop - self.i_slice.start
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, inter, dtype=dtype))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] (this rank's partial sum when sharded)."""
         weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
-        return fused_experts(x, self.w13, self.w2, weights, ids, self.experts.start)
+        return fused_experts(x, self.w13, self.w2, weights, ids, self.local_experts.start)
 
     @torch.no_grad()
     def load_expert(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
         """Copy one expert's full ``gate``/``up`` [I, H] or ``down`` [H, I] into its local slice;
         experts held by other ranks are skipped."""
-        if expert_id not in self.experts:
+        if expert_id not in self.local_experts:
             return
-        e, inter = expert_id - self.experts.start, self.w2.shape[-1]
+        e, inter = expert_id - self.local_experts.start, self.w2.shape[-1]
         if shard_id == "down":
             _check(tensor, (self.hidden_size, self.intermediate_size), f"expert {expert_id} down")
             self.w2[e].copy_(tensor[:, self.i_slice])
@@ -152,7 +152,8 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def load_fused(self, kind: str, tensor: torch.Tensor) -> None:
         """Copy the hub's fused ``gate_up`` [E, 2I, H] or ``down`` [E, H, I] tensor."""
-        full, experts = self.intermediate_size, slice(self.experts.start, self.experts.stop)
+        full = self.intermediate_size
+        experts = slice(self.local_experts.start, self.local_experts.stop)
         if kind == "down":
             _check(tensor, (self.num_experts, self.hidden_size, full), "experts.down_proj")
             self.w2.copy_(tensor[experts, :, self.i_slice])

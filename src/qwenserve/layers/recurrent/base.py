@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = 64  # HF and fla (Triton) use 64
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class GDNMetadata:
     prefill_has_init: torch.Tensor  # [num_prefills] bool, sorted order
     prefill_tokens: torch.Tensor  # [num_prefill_tokens] int64, packed rows
     prefill_padded_pos: torch.Tensor  # [num_prefill_tokens] int64, rows in the chunk layout
+    chunk_token: torch.Tensor  # [num_chunks * C] int64, packed row feeding each chunk row
+    chunk_pad_pos: torch.Tensor  # [num_pad] int64, chunk rows that are padding (zeroed)
     active_per_step: tuple[int, ...]  # prefills still running at chunk-scan step i
     num_chunks: int
     chunk_size: int
@@ -75,6 +77,35 @@ def _host_list(values: Sequence[int] | Sequence[bool] | torch.Tensor) -> list:
     return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
+@dataclass(frozen=True)
+class _PrefillLayout:
+    active_per_step: list[int]
+    tokens: list[int]  # packed row of each prefill token, sorted-prefill order
+    padded_pos: list[int]  # its row in the chunk layout
+    chunk_token: list[int]  # packed row feeding each chunk-layout row (0 for padding)
+    pad_pos: list[int]  # chunk-layout rows that are padding
+
+
+def _prefill_layout(
+    qsl: list[int], prefills: list[int], chunks: dict[int, int], chunk_size: int
+) -> _PrefillLayout:
+    """Place the sorted prefills' tokens in the step-major chunk layout (see ``GDNMetadata``)."""
+    steps = max(chunks.values(), default=0)
+    active = [sum(1 for i in prefills if chunks[i] > s) for s in range(steps)]
+    step_first = [sum(active[:s]) for s in range(steps)]  # first chunk of each scan step
+    tokens, padded = [], []
+    for p, i in enumerate(prefills):
+        tokens.extend(range(qsl[i], qsl[i + 1]))
+        for t in range(qsl[i + 1] - qsl[i]):
+            padded.append((step_first[t // chunk_size] + p) * chunk_size + t % chunk_size)
+    chunk_token = [-1] * (sum(active) * chunk_size)
+    for token, pos in zip(tokens, padded, strict=True):
+        chunk_token[pos] = token
+    pad_pos = [pos for pos, token in enumerate(chunk_token) if token < 0]
+    chunk_token = [max(token, 0) for token in chunk_token]
+    return _PrefillLayout(active, tokens, padded, chunk_token, pad_pos)
+
+
 def build_gdn_metadata(
     query_start_loc: Sequence[int] | torch.Tensor,
     state_slots: Sequence[int] | torch.Tensor,
@@ -88,14 +119,7 @@ def build_gdn_metadata(
     decodes = [i for i, n in enumerate(lens) if n == 1]
     chunks = {i: -(-n // chunk_size) for i, n in enumerate(lens) if n > 1}
     prefills = sorted(chunks, key=lambda i: -chunks[i])  # stable: ties keep batch order
-    steps = max(chunks.values(), default=0)
-    active = [sum(1 for i in prefills if chunks[i] > s) for s in range(steps)]
-    step_first = [sum(active[:s]) for s in range(steps)]  # first chunk of each scan step
-    tokens, padded = [], []
-    for p, i in enumerate(prefills):
-        tokens.extend(range(qsl[i], qsl[i + 1]))
-        for t in range(lens[i]):
-            padded.append((step_first[t // chunk_size] + p) * chunk_size + t % chunk_size)
+    layout = _prefill_layout(qsl, prefills, chunks, chunk_size)
 
     def ints(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -112,10 +136,12 @@ def build_gdn_metadata(
         decode_has_init=flags([init[i] for i in decodes]),
         prefill_slots=ints([slots[i] for i in prefills]),
         prefill_has_init=flags([init[i] for i in prefills]),
-        prefill_tokens=ints(tokens),
-        prefill_padded_pos=ints(padded),
-        active_per_step=tuple(active),
-        num_chunks=sum(active),
+        prefill_tokens=ints(layout.tokens),
+        prefill_padded_pos=ints(layout.padded_pos),
+        chunk_token=ints(layout.chunk_token),
+        chunk_pad_pos=ints(layout.pad_pos),
+        active_per_step=tuple(layout.active_per_step),
+        num_chunks=sum(layout.active_per_step),
         chunk_size=chunk_size,
     )
 
@@ -128,6 +154,7 @@ class RecurrentBackend(ABC):
     """
 
     name: str = "base"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def build_metadata(
         self,
@@ -136,7 +163,10 @@ class RecurrentBackend(ABC):
         has_initial_state: Sequence[bool] | torch.Tensor,
         device: torch.device | str,
     ) -> GDNMetadata:
-        return build_gdn_metadata(query_start_loc, state_slots, has_initial_state, device)
+        """Once per step, shared by all Gated DeltaNet layers; pass host (CPU) index data."""
+        return build_gdn_metadata(
+            query_start_loc, state_slots, has_initial_state, device, self.chunk_size
+        )
 
     @abstractmethod
     def causal_conv1d(

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim: FLA's use_qk_l2norm_in_kernel convention."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+    """scale * x / sqrt(sum(x^2) + eps) over the last dim (FLA's use_qk_l2norm_in_kernel)."""
+    sum_sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()  # one fused pass
+    return x * (torch.rsqrt(sum_sq + eps) * scale)
 
 
 def prepare_qkv(
@@ -35,8 +36,9 @@ def prepare_qkv(
     """
     q, k = q.float(), k.float()
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
+        q, k = l2norm(q, scale=q.shape[-1] ** -0.5), l2norm(k)
+    else:
+        q = q * q.shape[-1] ** -0.5
     groups = v.shape[-2] // k.shape[-2]
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
@@ -72,38 +74,61 @@ class ChunkTerms:
     chunk_decay: torch.Tensor  # [N, H]   exp(γ_C)
 
 
+def chunk_rows(padded_pos: torch.Tensor, heads: int, chunk_size: int) -> torch.Tensor:
+    """Flat rows of chunk-layout positions in a head-major tensor [N, H, C, ...] viewed as
+    [N*H*C, ...]: position p is chunk n = p // C, row c = p % C of every head, i.e. flat rows
+    (n*H + h)*C + c. Returns [len(padded_pos) * H], position-major."""
+    base = (padded_pos // chunk_size) * heads * chunk_size + padded_pos % chunk_size  # [n]
+    per_head = torch.arange(heads, device=padded_pos.device) * chunk_size  # [H]
+    return (base[:, None] + per_head).reshape(-1)
+
+
+def token_rows(chunk_token: torch.Tensor, heads: int, chunk_size: int) -> torch.Tensor:
+    """For each flat row (n*H + h)*C + c of a head-major chunk tensor, the flat row
+    ``chunk_token[n*C + c]*H + h`` of the token-major [num_tokens, H, ...] tensor it mirrors."""
+    per_head = torch.arange(heads, device=chunk_token.device).view(1, heads, 1)  # [1, H, 1]
+    return (chunk_token.view(-1, 1, chunk_size) * heads + per_head).reshape(-1)  # [N*H*C]
+
+
+def pack_chunks(
+    t: torch.Tensor, source_rows: torch.Tensor, pad_rows: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """Gather token-major t [num_tokens, H, ...] into a head-major chunk tensor [N, H, C, ...]
+    (so the chunk maths are plain batched matmuls) at ``source_rows`` (``token_rows``). The
+    padding rows (flat ``pad_rows``) are zeroed: with beta = g = 0 they leave S untouched."""
+    heads, tail = t.shape[1], t.shape[2:]
+    packed = t.reshape(-1, *tail).index_select(0, source_rows)  # [N*H*C, ...]
+    return packed.index_fill_(0, pad_rows, 0).view(-1, heads, chunk_size, *tail)
+
+
 def chunk_terms(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    chunk_size: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 ) -> ChunkTerms:
-    """Intra-chunk terms for rows laid out as whole chunks: q/k [N*C, H, Dk], v [N*C, H, Dv],
-    g/beta [N*C, H] (prepared; padding rows all zero, so beta = g = 0 keeps them inert)."""
+    """Intra-chunk terms: q/k [N, H, C, Dk], v [N, H, C, Dv], g/beta [N, H, C] (prepared).
 
-    def chunked(t: torch.Tensor) -> torch.Tensor:  # [N*C, H, ...] -> contiguous [N, H, C, ...]
-        return t.reshape(-1, chunk_size, *t.shape[1:]).transpose(1, 2).contiguous()
-
-    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
+    Overwrites q and k (they become ``q_dec`` and ``k_dec``): no extra [N, H, C, Dk] buffers.
+    """
+    chunk_size = q.shape[2]
     gamma = g.cumsum(dim=-1)  # [N, H, C]
     gamma_exp = gamma.exp()  # [N, H, C]
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     # exp(γ_i - γ_j) for j <= i; -inf above the diagonal so exp() cannot overflow there
     decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    k_beta = k * beta[..., None]  # [N, H, C, Dk]
-    # A = I + strict_lower(beta_i k_i.k_j Γ_ij); unitriangular=True ignores the diagonal. The
-    # explicit inverse (as fla does) turns the two solves into matmuls: faster on every device.
-    system = (k_beta @ k.mT) * decay  # [N, H, C, C]
+    # A = I + strict_lower(beta_i k_i.k_j Γ_ij); unitriangular=True ignores the diagonal. As in
+    # fla, A is inverted explicitly (one C x C solve); the row scalings of V and K by beta and
+    # exp(γ) become column scalings of A^{-1}, which are cheaper ([C, C] < [C, D]).
+    system = (k @ k.mT).mul_(decay).mul_(beta[..., :, None])  # [N, H, C, C]
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device).expand_as(system)
     inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    u = (inverse * beta[..., None, :]) @ v  # [N, H, C, Dv]
+    w = inverse.mul_((beta * gamma_exp)[..., None, :]) @ k  # [N, H, C, Dk]
+    attn = (q @ k.mT).mul_(decay)  # [N, H, C, C]
     return ChunkTerms(
-        u=inverse @ (v * beta[..., None]),
-        w=inverse @ (k_beta * gamma_exp[..., None]),
-        attn=(q @ k.mT) * decay,
-        q_dec=q * gamma_exp[..., None],
-        k_dec=k * (gamma[..., -1:] - gamma).exp()[..., None],
+        u=u,
+        w=w,
+        attn=attn,
+        q_dec=q.mul_(gamma_exp[..., None]),
+        k_dec=k.mul_((gamma[..., -1:] - gamma).exp()[..., None]),
         chunk_decay=gamma_exp[..., -1],
     )
 
@@ -111,24 +136,29 @@ def chunk_terms(
 def chunk_scan(
     terms: ChunkTerms, states: torch.Tensor, active_per_step: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Carry each request's state across its chunks, all requests together.
+    """Carry each request's state across its chunks, all requests together; in place on states.
 
     Requests are sorted longest first and chunks laid out step-major (``GDNMetadata``), so at
     step i the running requests are the first ``active_per_step[i]`` and their chunks one
-    contiguous block. states [R, H, Dk, Dv] -> (o [N*C, H, Dv] in the chunk layout, final states).
+    contiguous block. states [R, H, Dk, Dv] -> (o [N, H, C, Dv], final states).
     """
     num_chunks, heads, chunk_size, dv = terms.u.shape
+
+    def flat(t: torch.Tensor, n: int, first: int = 0) -> torch.Tensor:  # [n*H, rows, cols]
+        return t[first : first + n].flatten(0, 1)
+
     out = terms.u.new_empty(num_chunks, heads, chunk_size, dv)  # [N, H, C, Dv]
     first = 0
-    for num_active in active_per_step:
-        block = slice(first, first + num_active)  # this step's chunk of each running request
-        first += num_active
-        s = states[:num_active]  # [n, H, Dk, Dv]
-        v_new = terms.u[block] - terms.w[block] @ s  # [n, H, C, Dv]: the delta-rule correction
-        out[block] = terms.q_dec[block] @ s + terms.attn[block] @ v_new
-        decayed = s * terms.chunk_decay[block][..., None, None]
-        states[:num_active] = decayed + terms.k_dec[block].mT @ v_new
-    return out.transpose(1, 2).reshape(-1, heads, dv), states
+    for n in active_per_step:
+        s = flat(states, n)  # [n*H, Dk, Dv] view: updated in place below
+        v_new = torch.baddbmm(flat(terms.u, n, first), flat(terms.w, n, first), s, alpha=-1)
+        o = flat(out, n, first)
+        torch.bmm(flat(terms.q_dec, n, first), s, out=o)
+        o.baddbmm_(flat(terms.attn, n, first), v_new)
+        s.mul_(flat(terms.chunk_decay, n, first)[..., None, None])
+        s.baddbmm_(flat(terms.k_dec, n, first).mT, v_new)
+        first += n
+    return out, states
 
 
 def _initial(state: torch.Tensor | None, v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -171,14 +201,12 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence in chunks; same arguments and results as ``recurrent_gated_delta_rule``."""
     q, k, v, g, beta = prepare_qkv(q, k, v, g, beta, use_qk_l2norm)
-    length = v.shape[0]
-    num_chunks = -(-length // chunk_size)
-    padded = []
-    for t in (q, k, v, g, beta):
-        p = t.new_zeros(num_chunks * chunk_size, *t.shape[1:])  # [N*C, ...]
-        p[:length] = t
-        padded.append(p)
-    terms = chunk_terms(*padded, chunk_size=chunk_size)
+    num_chunks = -(-v.shape[0] // chunk_size)
+    padded_rows = torch.arange(num_chunks * chunk_size, device=v.device)  # [N*C]
+    chunk_token = padded_rows.clamp(max=v.shape[0] - 1)  # here chunk row t is token t
+    source_rows = token_rows(chunk_token, v.shape[1], chunk_size)
+    pad_rows = chunk_rows(padded_rows[v.shape[0] :], v.shape[1], chunk_size)
+    packed = (pack_chunks(t, source_rows, pad_rows, chunk_size) for t in (q, k, v, g, beta))
     state = _initial(initial_state, v, k)[None]  # [1, Hv, Dk, Dv]
-    out, state = chunk_scan(terms, state, (1,) * num_chunks)
-    return out[:length], state[0]
+    out, state = chunk_scan(chunk_terms(*packed), state, (1,) * num_chunks)
+    return out.transpose(1, 2).flatten(0, 1)[: v.shape[0]], state[0]

@@ -12,10 +12,13 @@ import torch.nn.functional as F
 
 from qwenserve.layers.recurrent.base import GDNMetadata, RecurrentBackend
 from qwenserve.layers.recurrent.delta_rule import (
+    chunk_rows,
     chunk_scan,
     chunk_terms,
+    pack_chunks,
     prepare_qkv,
     recurrent_step,
+    token_rows,
 )
 
 _ACTIVATIONS = {None: lambda t: t, "silu": F.silu, "swish": F.silu}
@@ -103,20 +106,21 @@ def _decode(
 
 
 def _prefill(
-    qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata, out: torch.Tensor
+    qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata, out_rows: torch.Tensor
 ) -> None:
-    """Chunked kernel over every multi-token request at once (layout in ``GDNMetadata``)."""
-    padded_rows = meta.num_chunks * meta.chunk_size
-    packed = []
-    for t in qkvgb:  # zero padding: beta = g = 0 leaves the state untouched
-        p = t.new_zeros(padded_rows, *t.shape[1:])  # [num_chunks * C, ...]
-        packed.append(
-            p.index_copy_(0, meta.prefill_padded_pos, t.index_select(0, meta.prefill_tokens))
-        )
-    terms = chunk_terms(*packed, chunk_size=meta.chunk_size)
+    """Chunked kernel over every multi-token request at once (layout in ``GDNMetadata``).
+
+    out_rows [num_tokens*Hv + 1, Dv] is the flat output plus one dump row, the destination of
+    every padding row, so the chunk output goes back in a single index_copy_.
+    """
+    heads, chunk_size = qkvgb[2].shape[1], meta.chunk_size
+    rows = token_rows(meta.chunk_token, heads, chunk_size)  # [N*H*C]
+    pad_rows = chunk_rows(meta.chunk_pad_pos, heads, chunk_size)  # [num_pad * H]
+    packed = (pack_chunks(t, rows, pad_rows, chunk_size) for t in qkvgb)
     states = _initial_states(pool, meta.prefill_slots, meta.prefill_has_init)
-    o, states = chunk_scan(terms, states, meta.active_per_step)
-    out.index_copy_(0, meta.prefill_tokens, o.index_select(0, meta.prefill_padded_pos))
+    o, states = chunk_scan(chunk_terms(*packed), states, meta.active_per_step)  # o [N, H, C, Dv]
+    dest = rows.index_fill(0, pad_rows, out_rows.shape[0] - 1)  # padding -> the dump row
+    out_rows.index_copy_(0, dest, o.view(-1, o.shape[-1]))
     pool.index_copy_(0, meta.prefill_slots, states.to(pool.dtype))
 
 
@@ -137,11 +141,13 @@ def gated_delta_net_forward(
     ssm_state [num_slots, Hv, Dk, Dv]. Returns o [num_tokens, Hv, Dv] in v's dtype.
     """
     qkvgb = prepare_qkv(q, k, v, g, beta, use_qk_l2norm)
-    out = qkvgb[2].new_empty(v.shape)  # [num_tokens, Hv, Dv] fp32
+    num_tokens, heads, dv = v.shape
+    out_rows = qkvgb[2].new_empty(num_tokens * heads + 1, dv)  # [T*Hv + 1, Dv] fp32, + dump row
+    out = out_rows[:-1].view(num_tokens, heads, dv)  # [num_tokens, Hv, Dv]
     if meta.num_decodes:
         _decode(qkvgb, ssm_state, meta, out)
     if meta.num_prefills:
-        _prefill(qkvgb, ssm_state, meta, out)
+        _prefill(qkvgb, ssm_state, meta, out_rows)
     return out.to(v.dtype)
 
 
@@ -149,6 +155,9 @@ class TorchRefRecurrentBackend(RecurrentBackend):
     """The reference backend: runs on any device torch supports, slowly but exactly."""
 
     name = "torch_ref"
+    # Measured on CPU (fp32, Qwen3.5-0.8B shapes, 2k-token prefill): 32 is ~20% faster than 64;
+    # smaller chunks halve the intra-chunk matmuls, while the state-sized ones stay the same.
+    chunk_size = 32
 
     def causal_conv1d(
         self,
