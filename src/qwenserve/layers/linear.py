@@ -70,7 +70,9 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
-            param.weight_loader = self.weight_loader
+            # A quant method may give a parameter its own loader (e.g. one that quantizes float
+            # rows as they arrive); it calls back into this layer's loader for the sharding.
+            param.weight_loader = getattr(param, "weight_loader", None) or self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)

@@ -79,10 +79,9 @@ def load_named_weights(
                                      f"model expects {tuple(param.shape)}")
                 param.data.copy_(tensor)
             elif shard_id is None:
-                loader(param, tensor.to(param.dtype) if tensor.is_floating_point() else tensor)
+                loader(param, _cast_for(param, tensor))
             else:
-                loader(param, tensor.to(param.dtype) if tensor.is_floating_point() else tensor,
-                       shard_id)
+                loader(param, _cast_for(param, tensor), shard_id)
         loaded.add(target)
     return loaded
 
@@ -114,6 +113,15 @@ def _module_prefix(name: str, modules: dict[str, nn.Module]) -> str | None:
     return None
 
 
+def _cast_for(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """Float tensors take a float parameter's dtype; anything else arrives as stored (int8
+    weights, int32/int64 quantization parameters, float rows that a quantizing loader turns
+    into int8), so no cast can silently truncate."""
+    if tensor.is_floating_point() and param.is_floating_point():
+        return tensor.to(param.dtype)
+    return tensor
+
+
 def _map_name(name: str, params: dict, stacked: tuple) -> tuple[str | None, Any]:
     for param_part, ckpt_part, shard_id in stacked:
         if f".{ckpt_part}." in name:
@@ -124,7 +132,9 @@ def _map_name(name: str, params: dict, stacked: tuple) -> tuple[str | None, Any]
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
-    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    # ``optional`` parameters (quantization tensors that some exporters omit) may be absent.
+    missing = [n for n, p in model.named_parameters()
+               if n not in loaded and not getattr(p, "optional", False)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
                                           else "")

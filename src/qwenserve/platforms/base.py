@@ -57,3 +57,26 @@ class Platform(ABC):
 
     def describe(self, device: torch.device) -> str:
         return str(device)
+
+    def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                       token_scale: torch.Tensor | None = None,
+                       int_bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """``(a_q @ w_q.T + int_bias) * scale * token_scale`` through an int8 GEMM.
+
+        a_q [M, K] int8, w_q [N, K] int8, scale [N] float32, token_scale [M, 1] float32,
+        int_bias [N] int32. Returns [M, N] in ``out_dtype``, or None where this platform has no
+        int8 GEMM for these shapes: the caller then dequantizes the weight on the fly.
+        """
+        return None
+
+
+def int32_epilogue(acc: torch.Tensor, scale: torch.Tensor, token_scale: torch.Tensor | None,
+                   int_bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Scale an exact int32 GEMM result [M, N] back to real values (shared by CPU and CUDA)."""
+    if int_bias is not None:
+        acc = acc + int_bias
+    out = acc.to(torch.float32) * scale
+    if token_scale is not None:
+        out = out * token_scale
+    return out.to(out_dtype)

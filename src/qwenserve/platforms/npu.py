@@ -56,3 +56,16 @@ class NpuPlatform(Platform):
 
     def max_memory_allocated(self, device: torch.device) -> int:
         return _torch_npu().max_memory_allocated(device)
+
+    def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                       token_scale: torch.Tensor | None = None,
+                       int_bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        # One fused aclnn call (what vLLM Ascend uses for W8A8): int8 GEMM + int32 bias +
+        # per-channel (and per-token) scale. Not verified on an NPU yet.
+        _torch_npu()
+        import torch_npu
+
+        pertoken = None if token_scale is None else token_scale.view(-1)
+        return torch_npu.npu_quant_matmul(a_q, w_q.t(), scale, pertoken_scale=pertoken,
+                                          bias=int_bias, output_dtype=out_dtype)

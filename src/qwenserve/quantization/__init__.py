@@ -1,23 +1,53 @@
-"""Quantization methods: detection from the checkpoint, and the user's ``--quantization``."""
+"""INT8 W8A8 quantization: detection from the checkpoint, the ``--quantization`` flag, and the
+linear methods that run it (docs/quantization.md).
+
+``resolve_quantization`` runs when the config is built (no torch import: errors come before any
+weight is read); ``build_quant_method`` when a worker builds its model.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from qwenserve.logger import init_logger
+from qwenserve.quantization import schemes
+
+logger = init_logger(__name__)
+
+METHODS = ("compressed-tensors", "ascend", "int8")
+
 
 def resolve_quantization(hf_config: Any, requested: str | None) -> tuple[str | None, dict | None]:
-    """Return (method, checkpoint quantization config); refuse contradictions and unknowns."""
-    ckpt = getattr(hf_config, "quantization_config", None)
-    if ckpt is not None and not isinstance(ckpt, dict):
-        ckpt = ckpt.to_dict() if hasattr(ckpt, "to_dict") else dict(vars(ckpt))
-    if ckpt is None:
-        if requested in (None, "int8"):
-            if requested == "int8":
-                raise ValueError("--quantization int8 (load-time INT8) is not implemented yet; "
-                                 "remove the flag to serve the model unquantized")
-            return None, None
-        raise ValueError(f"--quantization {requested} was given but the checkpoint has no "
-                         "quantization_config; remove the flag, or use a quantized checkpoint")
-    method = ckpt.get("quant_method", "unknown")
-    raise ValueError(f"The checkpoint is quantized with {method!r}, which qwenserve cannot load "
-                     "yet; use an unquantized (bf16/fp16/fp32) checkpoint")
+    """Return (method, quantization config) for the checkpoint and the user's ``--quantization``.
+
+    Quantized checkpoints are detected (compressed-tensors ``quantization_config``, ModelSlim
+    ``quant_model_description.json``) and never loaded as float; a flag that contradicts the
+    checkpoint, or a scheme qwenserve cannot run, raises ``ValueError`` naming the fix.
+    """
+    return schemes.resolve(hf_config, requested)
+
+
+def build_quant_method(model_config: Any, platform: Any | None = None) -> Any:
+    """The ``ModelContext.quant`` object for ``model_config.quantization`` on ``platform``
+    (default: the current one): ``linear_method(prefix)`` and ``process_weights_after_loading``.
+    """
+    from qwenserve.platforms import current_platform
+    from qwenserve.quantization.quant_config import (
+        CompressedTensorsConfig,
+        LoadTimeInt8Config,
+        ModelSlimConfig,
+    )
+
+    platform = platform or current_platform()
+    method, config = model_config.quantization, model_config.quant_config or {}
+    if method == "compressed-tensors":
+        quant = CompressedTensorsConfig(config, platform)
+    elif method == "ascend":
+        quant = ModelSlimConfig(config["description"], platform)
+    elif method == "int8":
+        quant = LoadTimeInt8Config(platform)
+    else:
+        raise ValueError(f"unknown quantization method {method!r}; qwenserve runs {METHODS}")
+    logger.info("Quantization %s: INT8 weights, int8 GEMM through the %s platform "
+                "(dequantized on the fly where it has none)", quant.name, platform.name)
+    return quant

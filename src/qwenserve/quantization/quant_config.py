@@ -1,0 +1,81 @@
+"""What ``ModelContext.quant`` holds: a linear method per layer, and one pass after loading.
+
+Models ask ``linear_method(prefix)`` with their module path (``model.layers.0.self_attn.qkv_proj``,
+merged names); the checkpoint's names (``q_proj``, ``k_proj``, ``v_proj``) are derived from it
+with ``schemes.shard_names``. None means the layer stays float.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from qwenserve.quantization import schemes
+from qwenserve.quantization.kernels import Int8Matmul
+from qwenserve.quantization.methods import AscendW8A8StaticMethod, Int8LinearMethod
+
+
+class QuantConfig:
+    name = ""
+
+    def __init__(self, platform: Any | None) -> None:
+        self.matmul = Int8Matmul(platform)
+
+    def linear_method(self, prefix: str) -> Any | None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        """Per-layer finishing after every tensor is in (folded biases, per-shard scales)."""
+        for module in model.modules():
+            process = getattr(getattr(module, "quant_method", None), "process_weights", None)
+            if process is not None:
+                process(module)
+
+
+class CompressedTensorsConfig(QuantConfig):
+    """llm-compressor's INT8 W8A8: per-channel int8 weights, dynamic per-token activations."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, config: dict, platform: Any | None) -> None:
+        super().__init__(platform)
+        self.config = config
+
+    def linear_method(self, prefix: str) -> Any | None:
+        shards = schemes.shard_names(prefix)
+        quantized = [schemes.ct_scheme_for(name, self.config) is not None for name in shards]
+        if not any(quantized):
+            return None
+        if not all(quantized):
+            raise ValueError(f"compressed-tensors quantizes only some of {', '.join(shards)}; "
+                             "qwenserve runs them as one matrix, so all or none must be")
+        return Int8LinearMethod(self.matmul, zero_point="weight_zero_point")
+
+
+class ModelSlimConfig(QuantConfig):
+    """Ascend ModelSlim W8A8 (static activations) and W8A8_DYNAMIC, per layer as described."""
+
+    name = "ascend"
+
+    def __init__(self, description: dict, platform: Any | None) -> None:
+        super().__init__(platform)
+        self.description = description
+
+    def linear_method(self, prefix: str) -> Any | None:
+        quant_type = schemes.modelslim_type_for(prefix, self.description)
+        if quant_type == "W8A8":
+            return AscendW8A8StaticMethod(self.matmul)
+        if quant_type == "W8A8_DYNAMIC":
+            return Int8LinearMethod(self.matmul, zero_point="weight_offset")
+        return None
+
+
+class LoadTimeInt8Config(QuantConfig):
+    """``--quantization int8``: every linear layer of a float checkpoint, per-channel
+    symmetric, quantized tensor by tensor while loading."""
+
+    name = "int8"
+
+    def linear_method(self, prefix: str) -> Any | None:
+        return Int8LinearMethod(self.matmul, quantize_on_load=True)
