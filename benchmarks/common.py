@@ -14,6 +14,14 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
                   tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e6,
                   rms_norm_eps=1e-6)
+QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                  num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                  linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                   "partial_rotary_factor": 0.25})
+SHAPES = {"qwen2.5-0.5b": ("qwen2", QWEN25_05B), "qwen3.5-0.8b": ("qwen3_5", QWEN35_08B)}
 CACHE_DIR = os.environ.get("QWENSERVE_BENCH_DIR", os.path.join("/tmp", "qwenserve-bench"))
 
 
@@ -32,6 +40,11 @@ def qwen_tokenizer() -> Any:
     tok = PreTrainedTokenizerFast(tokenizer_object=converter.converted(), eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>")
     return tok
+
+
+def shaped_model(shape_name: str) -> str:
+    arch, shape = SHAPES[shape_name]
+    return random_model(f"{shape_name}-random", arch, **shape)
 
 
 def random_model(name: str, arch: str = "qwen2", **shape: Any) -> str:

@@ -19,21 +19,25 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN25_05B, peak_rss_mib, random_model, run_in_subprocess  # noqa: E402
+from common import QWEN25_05B, peak_rss_mib, run_in_subprocess, shaped_model  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 VOCAB = 151643  # ordinary tokens of the Qwen tokenizer
 
 
+PROMPT_LENS = (16, 512)
+OUTPUT_LENS = (8, 256)
+
+
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """n requests: prompt length uniform in 16-512, output length uniform in 8-256."""
     rng = random.Random(seed)
-    return [([rng.randrange(VOCAB) for _ in range(rng.randint(16, 512))], rng.randint(8, 256))
-            for _ in range(n)]
+    return [([rng.randrange(VOCAB) for _ in range(rng.randint(*PROMPT_LENS))],
+             rng.randint(*OUTPUT_LENS)) for _ in range(n)]
 
 
 def model_path() -> str:
-    return random_model("qwen2.5-0.5b-random", **QWEN25_05B)
+    return shaped_model(os.environ.get("QWENSERVE_BENCH_SHAPE", "qwen2.5-0.5b"))
 
 
 # ---- workers (each in its own process) ---------------------------------------------------------
@@ -179,7 +183,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--hf-single", type=int, default=8, help="requests run one at a time")
     p.add_argument("--hf-static-batches", type=int, default=8, help="static batches of 8")
+    p.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b or qwen3.5-0.8b")
+    p.add_argument("--only", default="qwenserve,hf_single,hf_static,matmul,decode,startup,prefix")
     args = p.parse_args()
+    os.environ["QWENSERVE_BENCH_SHAPE"] = args.shape
     if args.worker:
         fn = {"qwenserve": lambda: worker_qwenserve(args.n),
               "hf": lambda: worker_hf(args.n, args.batch), "matmul": worker_matmul,
@@ -187,17 +194,17 @@ def main() -> None:
         print(json.dumps(fn[args.worker]()))
         return
     model_path()
-    results = {
-        "qwenserve": run_in_subprocess(SCRIPT, "--worker", "qwenserve", "--n", "64"),
-        "hf_single": run_in_subprocess(SCRIPT, "--worker", "hf", "--n", str(args.hf_single),
-                                       "--batch", "1"),
-        "hf_static": run_in_subprocess(SCRIPT, "--worker", "hf", "--n",
-                                       str(8 * args.hf_static_batches), "--batch", "8"),
-        "matmul": run_in_subprocess(SCRIPT, "--worker", "matmul"),
-        "decode": run_in_subprocess(SCRIPT, "--worker", "decode"),
-        "startup": run_in_subprocess(SCRIPT, "--worker", "startup"),
-        "prefix": run_in_subprocess(SCRIPT, "--worker", "prefix"),
+    jobs = {
+        "qwenserve": ("--worker", "qwenserve", "--n", str(args.n)),
+        "hf_single": ("--worker", "hf", "--n", str(args.hf_single), "--batch", "1"),
+        "hf_static": ("--worker", "hf", "--n", str(8 * args.hf_static_batches), "--batch", "8"),
+        "matmul": ("--worker", "matmul"), "decode": ("--worker", "decode"),
+        "startup": ("--worker", "startup"), "prefix": ("--worker", "prefix"),
     }
+    results = {}
+    for name in args.only.split(","):
+        results[name] = run_in_subprocess(SCRIPT, *jobs[name], "--shape", args.shape)
+        print(name, json.dumps(results[name]), flush=True)
     print(json.dumps(results, indent=1))
     print(report(results))
 
@@ -207,7 +214,6 @@ def report(r: dict) -> str:
         return x["output_tokens"] / x["seconds"]
 
     ours, single, static = tps(r["qwenserve"]), tps(r["hf_single"]), tps(r["hf_static"])
-    m, d = r["matmul"], r["decode"]
     rows = [
         "| system | useful output tok/s | vs HF one-at-a-time | vs HF static batches | peak RSS |",
         "|---|---|---|---|---|",
@@ -217,6 +223,11 @@ def report(r: dict) -> str:
         f"1.0x | | {r['hf_single']['peak_rss_mib']:.0f} MiB |",
         f"| HF generate, static batches of 8 ({r['hf_static']['requests']} requests) | "
         f"{static:.1f} | | 1.0x | {r['hf_static']['peak_rss_mib']:.0f} MiB |",
+    ]
+    if "matmul" not in r:
+        return "\n".join(rows)
+    m, d = r["matmul"], r["decode"]
+    rows += [
         "",
         f"fp32 GEMM: {m['gemm_2048_gflops']:.1f} GFLOP/s (2048^3), "
         f"{m['decode_shapes_64_gflops']:.1f} GFLOP/s (decode shapes, 64 rows); batched decode "

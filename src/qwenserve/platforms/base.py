@@ -38,6 +38,9 @@ class Platform(ABC):
     def supports_native_bf16(self) -> bool:
         """Whether bfloat16 matmuls run at least as fast as float32 here."""
 
+    def configure_process(self) -> None:
+        """Process-wide tuning done once before loading (allocator settings and the like)."""
+
     def synchronize(self, device: torch.device) -> None:
         """Wait for queued device work (no-op on CPU)."""
 

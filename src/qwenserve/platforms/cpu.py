@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import platform as _platform
 
@@ -57,6 +58,20 @@ class CpuPlatform(Platform):
 
     def describe(self, device: torch.device) -> str:
         return f"cpu ({torch.get_num_threads()} threads)"
+
+    def configure_process(self) -> None:
+        """Keep freed memory in the heap: glibc returns large blocks to the OS and every new
+        activation tensor then page-faults in afresh, which costs 10-50% of a forward pass on
+        CPU (vLLM's CPU guide preloads tcmalloc for the same reason)."""
+        if _platform.system() != "Linux":
+            return
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            return
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 30)
+        libc.mallopt(m_trim_threshold, 1 << 31)
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,

@@ -37,6 +37,7 @@ class Worker:
         self.config = config
         self.tp = tp
         self.platform = resolve_platform(config.platform_name)
+        self.platform.configure_process()
         self.device = self.platform.device(local_rank)
         self.dtype = _DTYPES[config.model.dtype]
         self.model_cls = load_model_class(config.model.architecture)

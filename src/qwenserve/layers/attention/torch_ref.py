@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout, slot_ids
 
@@ -23,7 +24,6 @@ class PrefillSpan:
     q_start: int
     q_len: int
     ctx_slots: torch.Tensor | None  # [ctx_len] when earlier tokens are cached, else None
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = may attend
 
 
 @dataclass
@@ -71,52 +71,50 @@ class TorchRefBackend(AttentionBackend):
     @staticmethod
     def _prefill_span(c: ChunkLayout, block_size: int, device: torch.device) -> PrefillSpan:
         if c.start_pos == 0:
-            return PrefillSpan(c.q_start, c.q_len, None, None)
+            return PrefillSpan(c.q_start, c.q_len, None)
         ctx = torch.tensor(slot_ids(c.block_ids, 0, c.ctx_len, block_size), dtype=torch.long,
                            device=device)
-        q_pos = torch.arange(c.start_pos, c.ctx_len, device=device)
-        mask = torch.arange(c.ctx_len, device=device)[None, :] <= q_pos[:, None]
-        return PrefillSpan(c.q_start, c.q_len, ctx, mask)
+        return PrefillSpan(c.q_start, c.q_len, ctx)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchRefMetadata, scale: float) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_slots, Hkv, D]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)  # [num_slots, Hkv, D]
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = _decode(q[:n], k_cache, v_cache, meta, scale)
+            out[:n] = _decode(q[:n], kv_cache, meta, scale)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.ctx_slots is None:
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = k_cache[span.ctx_slots], v_cache[span.ctx_slots]
-            out[rows] = _prefill(q[rows], ks, vs, span.mask, scale)
+                ks, vs = kv_cache[:, span.ctx_slots].unbind(0)  # one gather for K and V
+            out[rows] = _prefill(q[rows], ks, vs, scale)
         return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: TorchRefMetadata, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
+            scale: float) -> torch.Tensor:
     """q [n, Hq, D] -> [n, Hq, D]. The G = Hq/Hkv query heads sharing a KV head take the place
     of the query-length axis, so grouped-query attention needs no copies of K and V."""
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = kv_cache.shape[2]
     qg = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    ks = k_cache[meta.decode_slots].transpose(1, 2)  # [n, Hkv, Lmax, D]
-    vs = v_cache[meta.decode_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=meta.decode_mask, scale=scale)
+    kv = kv_cache[:, meta.decode_slots].transpose(2, 3)  # [2, n, Hkv, Lmax, D], one gather
+    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=meta.decode_mask,
+                                       scale=scale)
     return o.reshape(n, num_heads, head_dim)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             scale: float) -> torch.Tensor:
-    """q [L, Hq, D], k/v [S, Hkv, D] -> [L, Hq, D]; causal (offset by S - L when masked)."""
-    group = q.shape[1] // k.shape[1]
-    qt = q.transpose(0, 1)  # [Hq, L, D]
-    kt = k.transpose(0, 1).repeat_interleave(group, dim=0) if group > 1 else k.transpose(0, 1)
-    vt = v.transpose(0, 1).repeat_interleave(group, dim=0) if group > 1 else v.transpose(0, 1)
-    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None,
-                                       scale=scale)
-    return o.transpose(0, 1)
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [L, Hq, D], k/v [S, Hkv, D] -> [L, Hq, D]. Causal, aligned at the end: query i sits at
+    position S - L + i (``causal_lower_right``), so a chunk after cached tokens sees them all."""
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, len, D]
+    length, ctx = q.shape[0], k.shape[0]
+    if length == ctx:
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                              enable_gqa=True).transpose(0, 1)
+    mask = causal_lower_right(length, ctx)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
