@@ -53,13 +53,23 @@ def recurrent_step(
     g: torch.Tensor,
     beta: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for N independent sequences: state [N, H, Dk, Dv], q/k [N, H, Dk], v [N, H, Dv],
-    g/beta [N, H] (prepared) -> (o [N, H, Dv], new state)."""
-    state = state * g.exp()[..., None, None]
-    kv_mem = torch.einsum("nhkv,nhk->nhv", state, k)  # [N, H, Dv]: what S already predicts
-    delta = (v - kv_mem) * beta[..., None]  # [N, H, Dv]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("nhkv,nhk->nhv", state, q), state
+    """One token for N independent sequences: state [N, H, Dk, Dv] (fp32, updated in place),
+    q/k [N, H, Dk], v [N, H, Dv], g/beta [N, H] (prepared) -> (o [N, H, Dv], the state).
+
+    Decode is memory-bound on the state (1 MiB per head group and sequence), so S is read once
+    for both products and updated in place. With S' = e^g S + k delta^T:
+        kv_mem = e^g S^T k,   delta = beta (v - kv_mem),   o = S'^T q = e^g S^T q + (k.q) delta
+    """
+    n, h, dk, dv = state.shape
+    flat = state.view(n * h, dk, dv)
+    read = torch.bmm(torch.stack((k, q), dim=2).view(n * h, 2, dk), flat)  # [NH, 2, Dv]
+    decay = g.exp()  # [N, H]
+    read = read.view(n, h, 2, dv) * decay[..., None, None]
+    delta = (v - read[:, :, 0]) * beta[..., None]  # [N, H, Dv]
+    o = read[:, :, 1] + (k * q).sum(-1, keepdim=True) * delta
+    flat.mul_(decay.view(n * h, 1, 1)).baddbmm_(k.reshape(n * h, dk, 1),
+                                                 delta.reshape(n * h, 1, dv))
+    return o, state
 
 
 @dataclass(frozen=True)

@@ -65,11 +65,16 @@ def causal_conv1d_varlen(
     xcat = x.new_empty(num_tokens + num_reqs * hist, conv_dim)  # [tokens + hist rows, conv_dim]
     xcat[hist_rows] = prefix.reshape(-1, conv_dim)
     xcat[dest] = x
-    acc = x.new_zeros(num_tokens, conv_dim, dtype=torch.float32)  # [num_tokens, conv_dim]
+    # Convolve every row of xcat with contiguous shifted views (no gathers), then keep the token
+    # rows: row r of `acc` is the window xcat[r .. r + K-1], i.e. token t's window at dest[t]-hist.
+    xf = xcat.float()
+    rows = xf.shape[0] - hist
+    acc = xf[hist:] * weight[:, hist].float()  # [rows, conv_dim] fp32
+    for j in range(hist):
+        acc.addcmul_(xf[j : j + rows], weight[:, j].float())
     if bias is not None:
         acc += bias.float()
-    for j in range(hist + 1):
-        acc += weight[:, j].float() * xcat[dest - hist + j].float()
+    acc = acc.index_select(0, dest - hist)  # [num_tokens, conv_dim]
     new_rows = (qsl[1:] + req * hist)[:, None] + offs  # [num_reqs, K-1]
     conv_state.index_copy_(0, slots, xcat[new_rows].to(conv_state.dtype))
     return _ACTIVATIONS[activation](acc).to(x.dtype)
@@ -90,6 +95,8 @@ def _initial_states(
     """Copy the slots' states out of the pool in fp32; zero where the request starts fresh (the
     slot may hold a previous owner's state, even NaNs, so mask rather than multiply)."""
     states = pool[slots].float()  # [n, Hv, Dk, Dv]
+    if bool(has_init.all()):  # decodes nearly always continue a state: skip a pass over it
+        return states
     return states.masked_fill_(~has_init[:, None, None, None], 0.0)
 
 
