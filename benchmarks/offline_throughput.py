@@ -52,8 +52,9 @@ def worker_qwenserve(n: int) -> dict:
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(o for _, o in reqs)
-    return {"output_tokens": produced, "prompt_tokens": sum(len(p) for p, _ in reqs),
-            "seconds": elapsed, "peak_rss_mib": peak_rss_mib()}
+    return {"output_tokens": produced, "requests": n,
+            "prompt_tokens": sum(len(p) for p, _ in reqs), "seconds": elapsed,
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def _hf_model():
@@ -217,7 +218,8 @@ def report(r: dict) -> str:
     rows = [
         "| system | useful output tok/s | vs HF one-at-a-time | vs HF static batches | peak RSS |",
         "|---|---|---|---|---|",
-        f"| qwenserve (64 requests at once) | {ours:.1f} | {ours / single:.1f}x | "
+        f"| qwenserve ({r['qwenserve']['requests']} requests at once) | {ours:.1f} | "
+        f"{ours / single:.1f}x | "
         f"{ours / static:.1f}x | {r['qwenserve']['peak_rss_mib']:.0f} MiB |",
         f"| HF generate, one at a time ({r['hf_single']['requests']} requests) | {single:.1f} | "
         f"1.0x | | {r['hf_single']['peak_rss_mib']:.0f} MiB |",

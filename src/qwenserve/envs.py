@@ -78,3 +78,9 @@ def get(name: str, default: str | None = None) -> str | None:
     """Read any other environment variable (e.g. ``MASTER_ADDR``) through this one module."""
     value = os.environ.get(name)
     return default if value is None or value == "" else value
+
+
+def int8_float_vocab() -> bool:
+    """``--quantization int8`` keeps the embedding and LM head in float
+    (``QWENSERVE_INT8_FLOAT_VOCAB=1``): more memory, no int8 rounding in the logits."""
+    return _flag("INT8_FLOAT_VOCAB")

@@ -98,11 +98,12 @@ def quantized(tmp_path_factory, name: str, write) -> str:
 BOUNDS = {
     "ct-qwen3": (0.3, 0.9, 0.5),  # measured 0.174, 0.969, 0.734
     "ct-llama": (0.6, 0.8, 0.3),  # measured 0.391, 0.891, 0.484
-    "int8-qwen2": (0.3, 0.85, 0.3),  # measured 0.192, 0.922, 0.438
+    "int8-qwen2": (0.4, 0.85, 0.3),  # measured 0.274, 0.930, 0.555 (int8 embedding + LM head)
+    "int8-qwen2-float-vocab": (0.3, 0.85, 0.3),  # measured 0.192, 0.922, 0.438
     "modelslim-W8A8": (0.6, 0.75, 0.2),  # measured 0.368, 0.852, 0.336 (static activations)
     "modelslim-W8A8-int64-deq": (0.6, 0.75, 0.2),  # same tensors, fp16-style deq_scale
     "modelslim-W8A8_DYNAMIC": (0.3, 0.85, 0.3),  # measured 0.192, 0.922, 0.438
-    "int8-qwen3-bf16": (0.35, 0.85, 0.4),  # measured 0.184, 0.953, 0.625 (bf16 activations)
+    "int8-qwen3-bf16": (0.35, 0.85, 0.4),  # measured 0.200, 0.938, 0.664 (bf16 activations)
 }
 
 
@@ -122,9 +123,10 @@ def test_compressed_tensors_round_trip(reference, tmp_path_factory, arch):
     check(f"ct-{arch}", compare(llm, hf, ps, expected))
 
 
-def fake_quant_hf(path: str):
+def fake_quant_hf(path: str, vocab: bool = False):
     """The HF float model with the W8A8 maths applied in float (weights rounded per channel,
-    activations per token): the oracle for the engine's int8 path."""
+    activations per token): the oracle for the engine's int8 path. ``vocab``: also the embedding
+    and LM head tables, per row, as ``--quantization int8`` does."""
     model = load_hf_model(path)
 
     def quantize_tokens(_module, inputs):
@@ -138,6 +140,12 @@ def fake_quant_hf(path: str):
                 weight_q, scale = quantize_channels(module.weight)
                 module.weight.copy_(weight_q.float() * scale)
                 module.register_forward_pre_hook(quantize_tokens)
+        if vocab:
+            for table in {id(t): t for t in (model.get_input_embeddings().weight,
+                                             model.get_output_embeddings().weight)}.values():
+                table_q, scale = quantize_channels(table)
+                table.copy_(table_q.float() * scale)
+            model.get_output_embeddings().register_forward_pre_hook(quantize_tokens)
     return model
 
 
@@ -167,7 +175,25 @@ def test_load_time_int8(reference):
     src, hf, ps, expected = reference("qwen2")  # tied embeddings, q/k/v bias
     llm = LLM(src, dtype="float32", max_model_len=128, quantization="int8")
     assert linear_dtypes(llm) == {torch.int8}
+    model = llm.llm_engine.executor.worker.model
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert embed.dtype == torch.int8 and head.data_ptr() == embed.data_ptr()  # tied: one table
+    unique = {p.data_ptr(): p for p in model.parameters()}.values()
+    int8_bytes = sum(p.numel() * p.element_size() for p in unique)
+    float_bytes = 4 * sum(p.numel() for p in hf.parameters())  # HF dedupes the tied table too
+    assert int8_bytes / float_bytes < 0.3  # measured 0.28: hidden size 64, so scales weigh 1/16
     check("int8-qwen2", compare(llm, hf, ps, expected))
+
+
+def test_load_time_int8_can_keep_the_vocabulary_float(reference, monkeypatch):
+    src, hf, ps, expected = reference("qwen2")
+    monkeypatch.setenv("QWENSERVE_INT8_FLOAT_VOCAB", "1")
+    llm = LLM(src, dtype="float32", max_model_len=128, quantization="int8")
+    model = llm.llm_engine.executor.worker.model
+    assert linear_dtypes(llm) == {torch.int8}
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    check("int8-qwen2-float-vocab", compare(llm, hf, ps, expected))
 
 
 @pytest.mark.parametrize("variant", ["W8A8", "W8A8-int64-deq", "W8A8_DYNAMIC"])
@@ -188,16 +214,18 @@ def test_modelslim_round_trip(reference, tmp_path_factory, variant):
 def test_load_time_int8_qwen3_5_computes_the_quantized_model(tiny_model):
     """Qwen3.5's Gated DeltaNet projections (four checkpoint matrices in one GEMM) quantize like
     the rest. This hybrid model is far more sensitive than the dense ones (run in bf16 its max
-    logprob error against fp32 is 1.96), so it is checked against the fake-quantized oracle:
-    measured 0.164, top-1 0.992, prefix 0.953."""
+    logprob error against fp32 is 1.96), so it is checked against the fake-quantized oracle
+    (embedding and LM head quantized too): measured 0.612, top-1 0.992, prefix 1.000; the same
+    check on dense qwen3 measures 0.023, 1.000, 1.000, so the gap is this model amplifying
+    single activations that round the other way, not a different computation."""
     path = tiny_model("qwen3_5")
-    oracle = fake_quant_hf(path)
+    oracle = fake_quant_hf(path, vocab=True)
     ps = prompts(7)
     expected = [hf_greedy(oracle, p, MAX_TOKENS) for p in ps]
     got = compare(LLM(path, dtype="float32", max_model_len=128, quantization="int8"), oracle, ps,
                   expected)
     print(f"int8 qwen3_5 vs fake-quantized HF: {got}")
-    assert got.max_logprob_err < 0.5 and got.top1 >= 0.95 and got.prefix >= 0.7
+    assert got.max_logprob_err < 1.0 and got.top1 >= 0.95 and got.prefix >= 0.7
 
 
 def test_load_time_int8_in_bfloat16(reference):

@@ -48,6 +48,17 @@ def test_plan_agrees_with_the_engine_startup(tiny_model, capsys):
     assert plan["weight_bytes_per_device"] == llm.llm_engine.executor.weight_bytes()
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # tied and untied embeddings
+def test_plan_weights_agree_with_the_engine_in_int8(tiny_model, capsys, arch):
+    path = tiny_model(arch)
+    code, report = plan_json(capsys, path, "--device", "cpu", "--dtype", "float32", "--tp", "1",
+                             "--kv-cache-memory-bytes", "2M", "--max-model-len", "512",
+                             "--quantization", "int8")
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=2 << 20, max_model_len=512,
+              quantization="int8")
+    assert report["plans"][0]["weight_bytes_per_device"] == llm.llm_engine.executor.weight_bytes()
+
+
 def test_qwen25_32b_gqa_kv_and_the_int8_fit(tmp_path, capsys):
     path = write_config(tmp_path)
     code, report = plan_json(capsys, path, "--device", "910b-64g", "--tp", "1",

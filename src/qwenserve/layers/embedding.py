@@ -2,6 +2,12 @@
 
 Rank r holds rows ``[r * V/tp, (r+1) * V/tp)`` of the [V, H] table. The embedding looks up its own
 rows, zeroes the others and all-reduces; the head computes its slice of the logits and gathers.
+
+``--quantization int8`` stores the table as int8 rows with one float32 scale each
+(``quantize_vocab_tables``): for small Qwen models with tied embeddings the table is a third of the
+weights or more, so leaving it float would keep the model at ~0.45x of its float32 size. Lookups
+dequantize the rows they read; the head runs the int8 GEMM like any linear layer (per-row scales
+are per-output-channel scales of the head).
 """
 
 from __future__ import annotations
@@ -20,21 +26,36 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
+        self.dtype = dtype
         self.num_per_rank = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.num_per_rank
         self.weight = nn.Parameter(torch.empty(self.num_per_rank, hidden_size, dtype=dtype),
                                    requires_grad=False)  # [V/tp, H]
         self.weight.weight_loader = self.weight_loader
+        self.weight_scale: nn.Parameter | None = None  # [V/tp, 1] float32 once int8
+        self.int8_matmul = None
+
+    def use_int8(self, weight_q: torch.Tensor, scale: torch.Tensor, matmul) -> None:
+        """Replace the float table by int8 rows [V/tp, H] and their scales [V/tp, 1]."""
+        self.weight = nn.Parameter(weight_q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.int8_matmul = matmul
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, self.weight)
+        if self.weight_scale is None:
+            return rows
+        return (rows.to(torch.float32) * self.weight_scale[ids]).to(self.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_checked(param.data, loaded.narrow(0, self.vocab_start, self.num_per_rank))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
@@ -50,5 +71,37 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, H] -> [num_tokens, V] float32 logits."""
-        logits = F.linear(hidden, self.weight)
+        if self.weight_scale is None:
+            logits = F.linear(hidden, self.weight)
+        else:
+            from qwenserve.quantization.kernels import quantize_per_token
+
+            hidden_q, token_scale = quantize_per_token(hidden)
+            logits = self.int8_matmul(hidden_q, self.weight, self.weight_scale.view(-1),
+                                      token_scale, None, torch.float32)
         return self.tp.all_gather(logits, dim=-1).float()
+
+
+def quantize_vocab_tables(model: nn.Module, matmul) -> None:
+    """int8 per-row tables for every embedding and LM head of ``model``; a tied head shares the
+    embedding's int8 table (quantized once)."""
+    from qwenserve.quantization.kernels import quantize_weight
+
+    quantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and module.weight_scale is None:
+            key = module.weight.data_ptr()
+            if key not in quantized:
+                quantized[key] = _quantize_rows(module.weight.data, quantize_weight)
+            module.use_int8(*quantized[key], matmul)
+
+
+def _quantize_rows(table: torch.Tensor, quantize_weight, rows: int = 8192):
+    """quantize_weight over row blocks, so the float32 temporaries stay small (a Qwen3.5 table
+    is 248k rows)."""
+    weight_q = torch.empty(table.shape, dtype=torch.int8, device=table.device)
+    scale = torch.empty(table.shape[0], 1, device=table.device)
+    for start in range(0, table.shape[0], rows):
+        weight_q[start:start + rows], scale[start:start + rows] = quantize_weight(
+            table[start:start + rows])
+    return weight_q, scale

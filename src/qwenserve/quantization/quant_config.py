@@ -73,9 +73,18 @@ class ModelSlimConfig(QuantConfig):
 
 class LoadTimeInt8Config(QuantConfig):
     """``--quantization int8``: every linear layer of a float checkpoint, per-channel
-    symmetric, quantized tensor by tensor while loading."""
+    symmetric, quantized tensor by tensor while loading; then the embedding and LM head tables,
+    per row (a tied head shares the embedding's int8 table)."""
 
     name = "int8"
 
     def linear_method(self, prefix: str) -> Any | None:
         return Int8LinearMethod(self.matmul, quantize_on_load=True)
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        from qwenserve import envs
+        from qwenserve.layers.embedding import quantize_vocab_tables
+
+        super().process_weights_after_loading(model)
+        if not envs.int8_float_vocab():
+            quantize_vocab_tables(model, self.matmul)

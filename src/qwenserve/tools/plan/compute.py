@@ -64,7 +64,9 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
     """Bytes of one rank's parameters and buffers, linear weights at the quantized width."""
     import torch
 
+    from qwenserve import envs
     from qwenserve.distributed.parallel_group import ParallelGroup
+    from qwenserve.layers.embedding import VocabParallelEmbedding
     from qwenserve.layers.linear import LinearBase
     from qwenserve.models.base import ModelContext
     from qwenserve.models.registry import load_model_class
@@ -75,12 +77,15 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
                        tp=ParallelGroup(rank=0, world_size=inputs.tp))
     with torch.device("meta"):
         model = load_model_class(inputs.architecture)(ctx)
-    # Linear and expert weight matrices take the quantized width; embeddings, norms and
-    # lm_head stay in the model dtype (as the engine keeps them).
+    # Linear and expert weight matrices take the quantized width; norms stay in the model
+    # dtype, and so do embeddings and lm_head except with load-time int8 (as the engine does).
     quantizable = {id(m.weight) for m in model.modules()
                    if isinstance(m, LinearBase) and getattr(m, "weight", None) is not None}
     quantizable |= {id(p) for n, p in model.named_parameters()
                     if n.rsplit(".", 1)[-1] in ("w13", "w2")}
+    if inputs.quantization == "int8" and not envs.int8_float_vocab():
+        quantizable |= {id(m.weight) for m in model.modules()
+                        if isinstance(m, VocabParallelEmbedding)}
     width = QUANT_WIDTHS.get(inputs.quantization)
     overhead = QUANT_GROUP_OVERHEAD.get(inputs.quantization, 0.0)
     seen: set[int] = set()
