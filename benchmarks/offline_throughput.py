@@ -166,7 +166,7 @@ def worker_prefix() -> dict:
                   enable_prefix_caching=caching)
         llm.generate([{"prompt_token_ids": prefix + [5] * 16}], SamplingParams(max_tokens=1))
         times = []
-        for i in range(5):
+        for _ in range(5):
             suffix = [rng.randrange(VOCAB) for _ in range(16)]
             t = time.perf_counter()
             llm.generate([{"prompt_token_ids": prefix + suffix}], SamplingParams(max_tokens=1))

@@ -1,5 +1,4 @@
 from helpers.factories import make_request
-
 from qwenserve.core.cache.hashing import hash_block
 from qwenserve.core.cache.manager import CacheManager
 

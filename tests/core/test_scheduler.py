@@ -1,8 +1,8 @@
 """Scheduler behaviour on fake model outputs (pure Python, runs in milliseconds)."""
 
 import pytest
-from helpers.factories import make_request, make_scheduler
 
+from helpers.factories import make_request, make_scheduler
 from qwenserve.core.sched_output import ModelOutput, SampledToken
 from qwenserve.request import RequestStatus
 

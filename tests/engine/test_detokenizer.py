@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers.tiny_models import build_tokenizer
 
+from helpers.tiny_models import build_tokenizer
 from qwenserve.engine.detokenizer import IncrementalDetokenizer
 from qwenserve.sampling_params import SamplingParams
 

@@ -69,6 +69,13 @@ def _config(arch: str, **overrides: Any) -> Any:
     elif arch in ("qwen3_5", "qwen3_5_moe"):
         kw = _qwen3_5_text(arch)
         cls = tf.Qwen3_5TextConfig if arch == "qwen3_5" else tf.Qwen3_5MoeTextConfig
+    elif arch == "qwen3_next":  # Qwen3.5's shapes; layer 1 dense, the rest MoE
+        kw = _qwen3_5_text("qwen3_5_moe")
+        kw.update(intermediate_size=128, mlp_only_layers=[1], decoder_sparse_step=1,
+                  norm_topk_prob=True)
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7,
+                                 "partial_rotary_factor": 0.25}
+        cls = tf.Qwen3NextConfig
     else:
         raise ValueError(arch)
     kw.update(overrides)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.tiny_models import hf_greedy, load_hf_model
 
+from helpers.tiny_models import hf_greedy, load_hf_model
 from qwenserve import LLM, SamplingParams
 
 gguf = pytest.importorskip("gguf")

@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
-from helpers.tiny_models import hf_greedy, hf_logits, load_hf_model
 
+from helpers.tiny_models import hf_greedy, hf_logits, load_hf_model
 from qwenserve import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
-HYBRID = ("qwen3_5", "qwen3_5_moe")
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MAX_TOKENS = 12
 ENGINE_SETTINGS = {
     # a 16-token budget chunks every prompt longer than one block

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tiny_models import _config, build_tokenizer, hf_greedy, randomize_
 
+from helpers.tiny_models import _config, build_tokenizer, hf_greedy, randomize_
 from qwenserve import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 90))]

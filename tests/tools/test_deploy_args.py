@@ -26,7 +26,6 @@ def test_serve_flags_are_read_like_vllm_serve():
 
 
 def test_flags_serve_would_refuse_are_refused_here(tmp_path, capsys):
-    pytest.importorskip("qwenserve.entrypoints.openai.cli_args", reason="serve parser not written")
     argv = ["deploy", "systemd", "--output-dir", str(tmp_path), "--", "Qwen/Qwen3-8B", "--bogus"]
     assert main(argv) == 2 and "do not parse" in capsys.readouterr().err
 

@@ -13,7 +13,6 @@ import pytest
 import yaml
 from ops_helpers import require_tool, run_deploy
 
-from qwenserve.tools.deploy import metric_names
 from qwenserve.tools.deploy.metric_names import EXPORTED_METRICS, HISTOGRAMS, series_names
 
 pytestmark = pytest.mark.usefixtures("clean_env")

@@ -10,6 +10,10 @@
 Full-attention layers use the paged KV cache; DeltaNet layers use one state slot per sequence.
 Checkpoints of the vision-language model nest the text model under ``model.language_model.``;
 the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped.
+
+Qwen3-Next (``Qwen3NextForCausalLM``) is the same network with two fused DeltaNet projections
+whose rows are grouped per key head (``in_proj_qkvz``, ``in_proj_ba``); they are regrouped into
+Qwen3.5's four matrices while loading (``split_qwen3_next_projections``).
 """
 
 from __future__ import annotations
@@ -132,8 +136,16 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(n, self.num_v_heads * self.dv))
 
 
+def is_moe_layer(cfg: Any, layer_id: int) -> bool:
+    """Sparse-MoE MLP here? (every ``decoder_sparse_step``-th layer, minus ``mlp_only_layers``)"""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (getattr(cfg, "num_experts", 0) > 0 and (layer_id + 1) % step == 0
+            and layer_id not in (getattr(cfg, "mlp_only_layers", None) or ()))
+
+
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, layer_id: int, kind: str, backend: Any) -> None:
+    def __init__(self, ctx: ModelContext, layer_id: int, kind: str, backend: Any,
+                 moe_renormalize: bool | None) -> None:
         super().__init__()
         cfg = ctx.hf_config
         prefix = f"model.layers.{layer_id}"
@@ -142,8 +154,9 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(ctx, f"{prefix}.self_attn")
         else:
             self.linear_attn = GatedDeltaNet(ctx, f"{prefix}.linear_attn", backend)
-        if getattr(cfg, "num_experts", 0):
-            self.mlp = MoEBlock(ctx, cfg.shared_expert_intermediate_size, renormalize=True)
+        if is_moe_layer(cfg, layer_id):
+            self.mlp = MoEBlock(ctx, cfg.shared_expert_intermediate_size,
+                                renormalize=moe_renormalize)
         else:
             self.mlp = MLP(ctx, cfg.intermediate_size, False, f"{prefix}.mlp")
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
@@ -168,6 +181,10 @@ class Qwen3_5ForCausalLM(nn.Module):
     """Text model of Qwen3.5 / Qwen3.5-MoE (also serves the ``...ForConditionalGeneration``
     checkpoints, whose text weights sit under ``model.language_model.``)."""
 
+    # Qwen3.5-MoE's router always renormalizes its top-k weights; None: the config's
+    # ``norm_topk_prob`` decides (Qwen3-Next).
+    moe_renormalize: bool | None = True
+
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
@@ -180,7 +197,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                          ctx.dtype, ctx.tp)
         self.model.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(ctx, i, kind, self.recurrent_backend)
+            Qwen3_5DecoderLayer(ctx, i, kind, self.recurrent_backend, self.moe_renormalize)
             for i, kind in enumerate(self.types))
         self.model.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.rotary = RotaryEmbedding(cfg, cfg.head_dim,
@@ -189,6 +206,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
                                       tie_to=self.model.embed_tokens if self.tie else None)
         self.dtype = ctx.dtype
+        self.config = cfg
 
     @classmethod
     def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int) -> list[CacheSpec]:
@@ -242,7 +260,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                    ("in_proj", "in_proj_z", "z"), ("in_proj", "in_proj_b", "b"),
                    ("in_proj", "in_proj_a", "a"))
         skip = ("rotary_emb.inv_freq", "lm_head.weight") if self.tie else ("rotary_emb.inv_freq",)
-        text = _text_weights(weights)
+        text = split_qwen3_next_projections(_text_weights(weights), self.config)
         rest = split_module_weights(text, blocks, loaded)
         loaded |= load_named_weights(self, rest, stacked=stacked, skip=skip)
         check_all_loaded(self, loaded, source)
@@ -264,8 +282,42 @@ def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
         logger.info("Skipped %d vision-tower / MTP tensors (not needed to serve text)", skipped)
 
 
+def split_qwen3_next_projections(weights: Iterable[tuple[str, torch.Tensor]], cfg: Any
+                                 ) -> Iterable[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's ``in_proj_qkvz`` rows are [q | k | v | z] per key head (v and z holding that
+    head's Hv/Hk value heads) and ``in_proj_ba`` rows [b | a] per key head; regroup them into
+    Qwen3.5's ``in_proj_qkv`` ([all q | all k | all v]), ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``. Value heads keep their order (key head major), as transformers reads them."""
+    for name, tensor in weights:
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            group_v = cfg.linear_num_value_heads // hk * dv
+            q, k, v, z = tensor.reshape(hk, 2 * dk + 2 * group_v, -1).split(
+                [dk, dk, group_v, group_v], dim=1)  # each [Hk, rows, hidden]
+            base = name[: -len("in_proj_qkvz.weight")]
+            yield base + "in_proj_qkv.weight", torch.cat(
+                [q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hk * group_v, -1)])
+            yield base + "in_proj_z.weight", z.reshape(hk * group_v, -1)
+        elif name.endswith("linear_attn.in_proj_ba.weight"):
+            hk = cfg.linear_num_key_heads
+            group = cfg.linear_num_value_heads // hk
+            b, a = tensor.reshape(hk, 2 * group, -1).split([group, group], dim=1)
+            base = name[: -len("in_proj_ba.weight")]
+            yield base + "in_proj_b.weight", b.reshape(hk * group, -1)
+            yield base + "in_proj_a.weight", a.reshape(hk * group, -1)
+        else:
+            yield name, tensor
+
+
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The published VLM checkpoints, served as text models."""
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next (e.g. Qwen3-Next-80B-A3B): fused DeltaNet projections in the checkpoint, MoE
+    layers placed by ``decoder_sparse_step`` / ``mlp_only_layers``, ``norm_topk_prob`` honoured."""
+
+    moe_renormalize = None
 
 
 Qwen3_5MoeForCausalLM = Qwen3_5ForCausalLM

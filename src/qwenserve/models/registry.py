@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("qwenserve.models.qwen3_5",
                                            "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3NextForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3NextForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

@@ -19,7 +19,7 @@ def _load(name: str):
     return getattr(importlib.import_module(module_name), class_name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolve_platform(name: str | None = None):
     """The platform object for ``name``, or the detected one; resolved once per process."""
     name = name or envs.platform_override()

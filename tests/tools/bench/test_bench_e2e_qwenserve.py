@@ -19,11 +19,6 @@ import httpx
 import pytest
 from bench_prom import delta, scrape
 
-pytest.importorskip(
-    "qwenserve.entrypoints.openai.api_server",
-    reason="qwenserve's OpenAI server (qwenserve.entrypoints.openai.api_server) is not written yet",
-)
-
 SERVED = "tiny-qwen2"
 COUNTERS = (
     "vllm:request_success_total",

@@ -96,7 +96,6 @@ def test_latency_defaults_and_wiring(monkeypatch, tiny_tokenizer_dir: Path, tmp_
 
 
 def test_real_engine(tmp_path: Path, run_cli) -> None:  # noqa: ANN001
-    pytest.importorskip("qwenserve.entrypoints.llm", reason="the offline LLM is not written yet")
     from helpers.tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen2", str(tmp_path / "m"))
