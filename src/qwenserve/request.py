@@ -59,6 +59,8 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # prompt_logprobs requests: entry i scores prompt token i + 1 (plain data from the workers)
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -105,7 +105,9 @@ class SamplingParams:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                    f"must be in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by qwenserve yet; remove it")
+            _check(isinstance(self.prompt_logprobs, int)
+                   and 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

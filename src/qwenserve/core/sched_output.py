@@ -69,3 +69,6 @@ class ModelOutput:
     """Rank 0's answer to a SchedulerOutput: one sample per chunk with ``sample=True``."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # prompt_logprobs requests: request id -> (first position, one entry per position from it).
+    # The entry at position p scores prompt token p + 1 (its ``token_id``) given tokens 0..p.
+    prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)

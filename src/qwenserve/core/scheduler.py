@@ -123,7 +123,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             req = self.waiting[0]
-            hit_blocks = self.cache.lookup_prefix(req)
+            # Prompt logprobs need every prompt position computed: no prefix-cache hit (vLLM's
+            # rule too). The blocks it computes are still cached for others.
+            hit_blocks = ([] if req.sampling_params.prompt_logprobs is not None
+                          else self.cache.lookup_prefix(req))
             num_hit = len(hit_blocks) * self.cache.block_size
             num_new = min(req.num_tokens - num_hit, budget)
             if self.cache.allocate(req, num_new, hit_blocks) is None:
@@ -173,6 +176,8 @@ class Scheduler:
                 continue  # finished or preempted since it was scheduled
             req.num_computed_tokens += len(chunk.token_ids)
             self.cache.cache_full_blocks(req)
+            if req.request_id in model_out.prompt_logprobs:
+                _collect_prompt_logprobs(req, *model_out.prompt_logprobs[req.request_id])
             if not chunk.sample:
                 continue
             token = model_out.sampled[req.request_id]
@@ -213,3 +218,11 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             finished=finished,
         )
+
+
+def _collect_prompt_logprobs(req: Request, first_pos: int, entries: list[SampledToken]) -> None:
+    """Append the entries not collected yet: a request recomputed after preemption scores its
+    prompt again, and those duplicates are dropped."""
+    have = len(req.prompt_logprobs)
+    if first_pos <= have:
+        req.prompt_logprobs.extend(entries[have - first_pos:])

@@ -86,10 +86,12 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler."""
         self.check_prompt(prompt_token_ids)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs {params.logprobs} is more than the engine's max_logprobs "
-                             f"({self.config.max_logprobs}); ask for fewer or raise "
-                             "--max-logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name} {value} is more than the engine's max_logprobs "
+                                 f"({self.config.max_logprobs}); ask for fewer or raise "
+                                 "--max-logprobs")
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         max_len = self.config.scheduler.max_model_len

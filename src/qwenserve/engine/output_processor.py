@@ -14,7 +14,13 @@ from typing import Any
 from qwenserve.core.scheduler import RequestUpdate
 from qwenserve.engine.detokenizer import IncrementalDetokenizer
 from qwenserve.metrics.stats import FinishedRequestStats, IterationStats
-from qwenserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from qwenserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from qwenserve.request import RequestStatus
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,6 +49,8 @@ class _RequestState:
     arrival_wall: float
     arrival_mono: float
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # once the prompt has been scored
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -107,6 +115,9 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, req.num_cached_tokens)
             stats.num_prompt_tokens += len(state.prompt_token_ids)
             stats.ttfts_s.append(now - state.arrival_mono)
+            if state.params.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] + [
+                    self._logprob_entry(comp, t) for t in req.prompt_logprobs]
         else:
             stats.itls_s.append(now - (comp.last_token_time or now))
         comp.last_token_time = now
@@ -126,12 +137,17 @@ class OutputProcessor:
         return stop
 
     def _add_logprobs(self, comp: _Completion, token: Any) -> None:
+        comp.logprobs.append(self._logprob_entry(comp, token))
+        comp.cumulative_logprob += token.logprob
+
+    @staticmethod
+    def _logprob_entry(comp: _Completion, token: Any) -> dict[int, Logprob]:
+        """The scored token first, then the top-k (vLLM's dict order and ranks)."""
         decode = comp.detokenizer.decode_token if comp.detokenizer else (lambda t: None)
         entry = {token.token_id: Logprob(token.logprob, token.rank, decode(token.token_id))}
         for rank, (tid, lp) in enumerate(token.top_logprobs or [], start=1):
             entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
-        comp.logprobs.append(entry)
-        comp.cumulative_logprob += token.logprob
+        return entry
 
     def _finished_stats(self, state: _RequestState, comp: _Completion, req: Any,
                         now: float) -> FinishedRequestStats:
@@ -162,9 +178,14 @@ class OutputProcessor:
         outputs = [self._completion_output(state.completions[i], kind) for i in chosen]
         if finished:
             self._forget(parent_id)
+        prompt_logprobs = state.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:  # streamed: only with the first output, as vLLM
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(
             request_id=parent_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs, finished=finished, num_cached_tokens=state.num_cached_tokens,
+            outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
             metrics=RequestMetrics(arrival_time=state.arrival_wall))
 
     @staticmethod

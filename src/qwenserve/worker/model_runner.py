@@ -15,7 +15,10 @@ from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOu
 from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.worker.forward_batch import ForwardBatch
-from qwenserve.worker.sampler import SamplingRow, sample
+from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
+
+# Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
@@ -26,6 +29,17 @@ class RequestState:
     block_ids: list[int]
     state_slot: int | None
     generator: torch.Generator | None
+
+
+@dataclass
+class PromptScoring:
+    """The rows of one chunk whose logits score the next prompt token (``prompt_logprobs``)."""
+
+    request_id: str
+    first_pos: int  # position of the first row's token in its request
+    first_row: int  # its row in the step's batch
+    target_token_ids: list[int]  # the prompt tokens that follow positions first_pos, ...
+    num_logprobs: int
 
 
 class ModelRunner:
@@ -73,12 +87,14 @@ class ModelRunner:
         batch = self._prepare(chunks)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
+                  for s in self._prompt_scoring(chunks)}
         if not self.is_driver:
             return ModelOutput()
         sampled_chunks = [c for c in chunks if c.sample]
         rows = [self._sampling_row(c.request_id) for c in sampled_chunks]
         tokens = sample(logits, rows, self.generator)
-        output = ModelOutput()
+        output = ModelOutput(prompt_logprobs=scored)
         for chunk, token in zip(sampled_chunks, tokens):
             self.requests[chunk.request_id].output_token_ids.append(token.token_id)
             output.sampled[chunk.request_id] = token
@@ -111,6 +127,33 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             state=state,
         )
+
+    def _prompt_scoring(self, chunks: list[ScheduledChunk]) -> list[PromptScoring]:
+        """Chunks of prompt_logprobs requests that still hold prompt positions to score (rows in
+        the batch order of ``_prepare``: the chunks' tokens concatenated)."""
+        out, row = [], 0
+        for c in chunks:
+            state = self.requests[c.request_id]
+            num_prompt = len(state.prompt_token_ids)
+            end = min(c.start_pos + len(c.token_ids), num_prompt - 1)  # last position scores P-1
+            if state.params.prompt_logprobs is not None and end > c.start_pos:
+                out.append(PromptScoring(c.request_id, c.start_pos, row,
+                                         state.prompt_token_ids[c.start_pos + 1 : end + 1],
+                                         state.params.prompt_logprobs))
+            row += len(c.token_ids)
+        return out
+
+    def _score_prompt(self, hidden: torch.Tensor, scoring: PromptScoring) -> list:
+        """Logprobs of the prompt tokens, a slice of rows at a time (every rank computes the
+        logits: the LM head's all-gather is a collective)."""
+        entries = []
+        for start in range(0, len(scoring.target_token_ids), PROMPT_LOGPROBS_ROWS):
+            targets = scoring.target_token_ids[start : start + PROMPT_LOGPROBS_ROWS]
+            first = scoring.first_row + start
+            logits = self.model.compute_logits(hidden[first : first + len(targets)])
+            if self.is_driver:
+                entries += prompt_logprobs(logits, targets, scoring.num_logprobs)
+        return entries
 
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]

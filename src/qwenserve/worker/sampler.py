@@ -137,3 +137,20 @@ def _package(token_ids: torch.Tensor, logprobs: torch.Tensor | None,
             top = list(zip(indices.tolist(), values.tolist()))
         out.append(SampledToken(t, chosen, rank, top))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int],
+                    num_top: int) -> list[SampledToken]:
+    """logits [T, V] of consecutive prompt positions -> for each, the logprob and rank of the
+    prompt token that follows (``target_ids``) and the ``num_top`` best (raw logits, as vLLM)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(target_ids, device=logits.device).unsqueeze(1)  # [T, 1]
+    chosen = logprobs.gather(1, targets)  # [T, 1]
+    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in target_ids]
+    if num_top:
+        values, indices = logprobs.topk(num_top, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    return [SampledToken(t, lp, r, k)
+            for t, lp, r, k in zip(target_ids, chosen.squeeze(1).tolist(), ranks, top)]
+
