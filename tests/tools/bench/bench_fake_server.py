@@ -35,6 +35,7 @@ class FakeConfig:
     send_usage: bool = True
     tokenize: bool = True
     reset_cache: bool = True
+    chat_template_tokens: int = 0  # added to a chat prompt's count, as a chat template would
 
 
 @dataclass
@@ -115,10 +116,11 @@ class FakeOpenAI:
                 await asyncio.sleep(self.cfg.itl_s)
             text = f"w{i % VOCAB} "
             yield _chunk({"delta": {"content": text}} if chat else {"text": text}, chat)
+        num_prompt = len(encode(prompt)) + (self.cfg.chat_template_tokens if chat else 0)
         self.state.success += 1
-        self.state.prompt_tokens += len(encode(prompt))
+        self.state.prompt_tokens += num_prompt
         self.state.generation_tokens += n
-        usage = {"prompt_tokens": len(encode(prompt)), "completion_tokens": n}
+        usage = {"prompt_tokens": num_prompt, "completion_tokens": n}
         if self.cfg.send_usage and (body.get("stream_options") or {}).get("include_usage"):
             yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"

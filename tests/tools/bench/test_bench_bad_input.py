@@ -84,13 +84,16 @@ def test_malformed_dataset_file(
         (["--goodput", "itl:5"], "is not one of"),
         (["--max-concurrency", "0"], "--max-concurrency must be > 0"),
         (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "needs an endpoint"),
-        (["--metric-percentiles", "150"], "(0, 100]"),
+        (["--metric-percentiles", "150"], "[0, 100]"),
         (["--percentile-metrics", "ttft,foo"], "--percentile-metrics accepts"),
         (["--header", "novalue"], "--header expects KEY=VALUE"),
         (["--sweep", "speed=1,2"], "--sweep expects"),
         (["--sweep", "request-rate=1,2", "--knee-latency-factor", "0.5"], "must be >= 1"),
         (["--random-range-ratio", "1.5"], "--random-range-ratio"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--request-rate", "-2"], "--request-rate must be > 0"),
+        (["--request-rate", "4", "--burstiness", "0"], "--burstiness must be > 0"),
     ],
 )
 def test_bad_flags(run_cli, args: list[str], needle: str) -> None:  # noqa: ANN001

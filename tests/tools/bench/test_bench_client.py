@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from qwenserve.tools.bench.client import RequestSpec, SSEParser, build_payload
+from qwenserve.tools.bench.client import RequestSpec, SSEParser, _Timer, build_payload
+from qwenserve.tools.bench.metrics import RequestResult
 
 STREAM = (
     ": ping\n\n"
@@ -68,3 +69,31 @@ def test_serve_client_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def feed_timer(chat: bool, events: list[tuple[float, dict]]) -> RequestResult:
+    """Run vLLM's timing rules over (arrival time, chunk) pairs; the POST leaves at t = 10."""
+    result = RequestResult(prompt_len=3)
+    timer = _Timer(result, start=10.0, chat=chat)
+    for now, data in events:
+        timer.on_chunk(data, now)
+    result.latency = timer.last - timer.start
+    return result
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_timing_ends_at_the_last_token_chunk(chat: bool) -> None:
+    """TTFT 0.5, gaps 0.25 and 0.5; the usage chunk 2 s later moves neither E2EL nor ITL."""
+    choice = {"delta": {"content": "a"}} if chat else {"text": "a"}
+    usage = {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}
+    r = feed_timer(chat, [(10.5, {"choices": [choice]}), (10.75, {"choices": [choice]}),
+                          (11.25, {"choices": [choice]}), (13.25, usage)])  # fmt: skip
+    assert r.ttft == 0.5 and r.itl == [0.25, 0.5] and r.latency == 1.25
+    # the server's usage replaces the client's counts, as vLLM's request functions do
+    assert (r.output_tokens, r.prompt_len) == (3, 11)
+
+
+def test_usage_without_prompt_tokens_keeps_the_client_count() -> None:
+    r = feed_timer(False, [(10.5, {"choices": [{"text": "a"}]}),
+                           (10.6, {"choices": [], "usage": {"completion_tokens": 1}})])  # fmt: skip
+    assert (r.output_tokens, r.prompt_len) == (1, 3)

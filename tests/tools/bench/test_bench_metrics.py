@@ -12,6 +12,7 @@ from qwenserve.tools.bench.metrics import (
     parse_percentiles,
     peak_concurrency,
     peak_output_tokens_per_s,
+    queue_stats,
 )
 from qwenserve.tools.bench.results import count_output_tokens, format_console
 
@@ -132,6 +133,7 @@ def test_console_block_matches_vllm_layout() -> None:
     assert "Peak concurrent requests:                1.00      " in lines
     assert "{:-^50}".format("Time per Output Token (excl. 1st token)") in lines
     assert "P99 TTFT (ms):                           298.00    " in lines
+    assert "Total token throughput (tok/s):          38.50     " in lines
     assert "E2EL" not in text  # not selected
     assert lines[-1] == "=" * 50
 
@@ -143,8 +145,28 @@ def test_flag_parsers() -> None:
     for bad in (["ttft"], ["itl:5"], ["ttft:-1"], ["ttft:abc"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
-    for bad_p in ("", "0", "101", "x"):
+    assert parse_percentiles("0,100") == [0.0, 100.0]  # min and max, as numpy (and vLLM) allow
+    for bad_p in ("", "-1", "101", "x"):
         with pytest.raises(ValueError):
             parse_percentiles(bad_p)
     with pytest.raises(ValueError):
         parse_metric_names("ttft,latency")
+
+
+def test_client_queue_figures() -> None:
+    """vLLM's queueing figures over successful requests only.
+
+    waits 0, 0.2, 0.4 s (the failure's 9 s is ignored); E2EL + wait = 0.3, 0.5, 0.7 s
+    """
+    results, _ = synthetic()
+    for result, wait in zip(results, (0.0, 0.2, 9.0, 0.4), strict=True):
+        result.client_queue_time = wait
+    s = queue_stats(results, [50, 99], finite_rate=True)
+    q, e = s["client_queue_time"], s["e2el_including_client_queue"]
+    assert (q.mean_ms, q.median_ms, q.std_ms) == (approx(200), approx(200), approx(163.299316))
+    assert dict(q.percentiles_ms)[99] == approx(396)  # 200 + .98 * 200
+    assert (e.mean_ms, e.median_ms) == (approx(500), approx(500))
+    assert set(queue_stats(results, [99], finite_rate=False)) == {"client_queue_time"}
+    assert parse_metric_names("e2el,client_queue_time,e2el_including_client_queue") == [
+        "e2el", "client_queue_time", "e2el_including_client_queue"
+    ]  # fmt: skip

@@ -33,8 +33,10 @@ def test_latency_summary_and_prompts() -> None:
 class FakeLLM:
     """Stands in for ``qwenserve.LLM``: echoes each request's max_tokens as generated tokens."""
 
-    def __init__(self, tokenizer) -> None:  # noqa: ANN001
+    def __init__(self, tokenizer, max_model_len: int = 4096) -> None:  # noqa: ANN001
         self.tokenizer, self.calls = tokenizer, []
+        scheduler = SimpleNamespace(max_model_len=max_model_len)
+        self.llm_engine = SimpleNamespace(config=SimpleNamespace(scheduler=scheduler))
 
     def get_tokenizer(self):  # noqa: ANN201
         return self.tokenizer
@@ -93,6 +95,27 @@ def test_latency_defaults_and_wiring(monkeypatch, tiny_tokenizer_dir: Path, tmp_
     assert latency.run(args) == 0
     assert len(fake.calls) == 4  # one warm-up + three measured
     assert len(json.loads(out.read_text())["latencies"]) == 3
+
+
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_too_long_for_max_model_len_is_one_line(
+    monkeypatch, tiny_tokenizer_dir: Path, run_cli, command: str
+) -> None:  # noqa: ANN001
+    """vLLM asserts prompt + output <= max_model_len before generating; so do we, in one line."""
+    from transformers import AutoTokenizer
+
+    fake = FakeLLM(AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir)), max_model_len=20)
+    module = throughput if command == "throughput" else latency
+    monkeypatch.setattr(module, "make_llm", lambda args: fake)
+    size = ["--num-prompts", "2"] if command == "throughput" else ["--batch-size", "2"]
+    code, _, err = run_cli(["bench", command, "--model", "m", "--input-len", "16",
+                            "--output-len", "5", *size])  # fmt: skip
+    assert code == 1 and fake.calls == []
+    # random prompts re-encode to about --input-len tokens; latency's are exact
+    needed = int(err.split("needs ")[1].split()[0]) if "needs " in err else 0
+    assert err.startswith("error: a request needs ") and err.count("\n") == 1
+    assert needed == 21 if command == "latency" else needed > 20
+    assert "max_model_len is 20" in err and "--max-model-len" in err
 
 
 def test_real_engine(tmp_path: Path, run_cli) -> None:  # noqa: ANN001

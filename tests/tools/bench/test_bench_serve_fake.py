@@ -68,20 +68,25 @@ def test_completions_figures_and_saved_json(fake_server, run_cli, tmp_path: Path
     assert all("warmup" in i for i in ids[:2]) and not any("warmup" in i for i in ids[2:])
 
 
-def test_chat_backend(fake_server, run_cli, tmp_path: Path) -> None:  # noqa: ANN001
-    start = len(fake_server.state.requests)
+def test_chat_backend(make_fake_server, run_cli, tmp_path: Path) -> None:  # noqa: ANN001
+    server = make_fake_server(chat_template_tokens=5)
+    before = scrape(server.base_url)
     code, _, err = run_cli(bench(
-        fake_server, "--backend", "openai-chat", *RANDOM, "--num-prompts", "4",
+        server, "--backend", "openai-chat", *RANDOM, "--num-prompts", "4",
         "--warmup-requests", "0", "--save-result", "--result-dir", str(tmp_path),
     ))  # fmt: skip
     assert code == 0, err
     (saved,) = tmp_path.glob("openai-chat-infqps-fake-model-*.json")  # vLLM's default name
     r = load(saved)
     assert r["completed"] == 4 and r["output_lens"] == [6] * 4
+    # prompt lengths are the server's usage.prompt_tokens (template included), as in vLLM
+    assert r["input_lens"] == [16 + 5] * 4
+    d = delta(before, scrape(server.base_url))
+    assert d["vllm:prompt_tokens_total"] == r["total_input_tokens"] == 84
     # role chunk and first token arrive together: six ITL samples, the first ~0
     assert all(len(g) == 6 and g[0] < 0.01 for g in r["itls"])
     assert 50 <= r["mean_ttft_ms"] < 110
-    body = fake_server.state.requests[start]
+    body = server.state.requests[0]
     assert body["messages"][0]["content"][0]["type"] == "text"
     assert body["max_completion_tokens"] == 6
 
@@ -146,18 +151,33 @@ def test_request_rate_and_concurrency_cap(fake_server, run_cli, tmp_path: Path) 
         "20", "--burstiness", "inf", "--save-result", "--result-filename", str(tmp_path / "a.json"),
     ))  # fmt: skip
     assert code == 0, err
+    assert "mean_client_queue_time_ms" not in load(tmp_path / "a.json")  # no cap, no queue
     starts = load(tmp_path / "a.json")["start_times"]
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert starts[0] == pytest.approx(0.05, abs=0.03) and all(0.03 < g < 0.09 for g in gaps)
     code, out, err = run_cli(bench(
         fake_server, *RANDOM, "--num-prompts", "6", "--warmup-requests", "0", "--max-concurrency",
-        "2", "--save-result", "--result-filename", str(tmp_path / "c.json"),
+        "2", "--request-rate", "1000", "--save-result", "--result-filename",
+        str(tmp_path / "c.json"), "--percentile-metrics",
+        "e2el,client_queue_time,e2el_including_client_queue",
     ))  # fmt: skip
     assert code == 0, err
     r = load(tmp_path / "c.json")
     assert r["max_concurrent_requests"] <= 2 and r["max_concurrency"] == 2
     assert r["duration"] >= 3 * 0.15  # three rounds of two
     assert "Maximum request concurrency:             2" in out
+    # vLLM's client-side queueing: a round of two waits ~0, ~150 ms, ~300 ms for a slot
+    waits = sorted(r["queue_times"])
+    assert waits[1] < 0.05 and 0.12 < waits[2] < 0.3 and 0.27 < waits[5] < 0.6
+    assert r["mean_client_queue_time_ms"] == pytest.approx(1000 * sum(waits) / 6)
+    assert r["mean_e2el_including_client_queue_ms"] == pytest.approx(
+        r["mean_e2el_ms"] + r["mean_client_queue_time_ms"]
+    )
+    assert "{:-^50}".format("Client-side Queueing") in out and "P99 Client Queue Time" in out
+    from qwenserve.tools.bench.report import run_report
+
+    report = run_report(r, [99], None, str(tmp_path / "c.md"))
+    assert "| Client Queue Time |" in report and "| E2EL incl. Client Queue |" in report
 
 
 def test_single_run_plot_and_report(fake_server, run_cli, tmp_path: Path) -> None:  # noqa: ANN001
@@ -196,3 +216,36 @@ def test_counts_agree_with_the_servers_counters(fake_server, run_cli, tmp_path: 
     assert d["vllm:request_success_total"] == r["completed"] + r["warmup_requests"] == 8
     assert d["vllm:generation_tokens_total"] == r["total_output_tokens"] + r["warmup_output_tokens"]
     assert d["vllm:prompt_tokens_total"] == r["total_input_tokens"] + r["warmup_input_tokens"]
+
+
+def test_ready_check_waits_for_a_late_server(run_cli) -> None:  # noqa: ANN001
+    """vLLM's --ready-check-timeout-sec: the server comes up 1.5 s after the benchmark starts."""
+    import threading
+
+    from bench_fake_server import FakeServer
+
+    server = FakeServer()  # port reserved, nothing listening yet: connections are refused
+    timer = threading.Timer(1.5, server.start)
+    timer.start()
+    try:
+        code, _, err = run_cli(bench(server, *RANDOM, "--num-prompts", "2", "--warmup-requests",
+                                     "0", "--ready-check-timeout-sec", "20"))  # fmt: skip
+        assert code == 0, err
+        assert server.state.success == 2
+    finally:
+        timer.join()
+        server.stop()
+
+
+def test_prefix_repetition_keeps_num_prompts(fake_server, run_cli, tmp_path: Path) -> None:  # noqa: ANN001
+    """10 prompts over 3 prefixes send 3 * (10 // 3) = 9; num_prompts stays the flag, as vLLM."""
+    code, _, err = run_cli(bench(
+        fake_server, "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "6",
+        "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "3",
+        "--prefix-repetition-output-len", "2", "--num-prompts", "10", "--warmup-requests", "0",
+        "--save-result", "--result-filename", str(tmp_path / "p.json"),
+    ))  # fmt: skip
+    assert code == 0, err
+    r = load(tmp_path / "p.json")
+    assert (r["num_prompts"], r["completed"], r["dataset_name"]) == (10, 9, "prefix-repetition")
+    assert r["input_lens"] == [10] * 9 and r["output_lens"] == [2] * 9

@@ -83,6 +83,7 @@ def test_concurrency_sweep_png_report_and_jsons(fake_server, run_cli, tmp_path: 
     report = (tmp_path / "sw.md").read_text()
     assert report.count("**(knee)**") == 1 and "## Knee" in report and "Rule:" in report
     assert "![benchmark plot](sw.png)" in report and "reset through /reset_prefix_cache" in report
+    assert "\n| 1 | 6 / 0 |" in report and "\n| 2" in report  # loads as given, not 1.00
 
 
 def test_rate_sweep_without_cache_reset_uses_fresh_prompts(

@@ -4,10 +4,11 @@ The request bodies and the timing rules are vLLM's
 (``vllm/benchmarks/lib/endpoint_request_func.py``):
 the clock starts just before the POST; TTFT is the first ``data:`` chunk with a non-empty
 ``choices`` list; every later such chunk adds one ITL sample; E2EL ends at the last chunk with
-choices (completions) or at the last chunk of any kind, usage included (chat). Two deliberate
-differences, both about failures only: a non-200 answer records its status and message rather than
-the bare reason phrase, and an ``{"error": ...}`` event in the stream fails the request instead of
-passing silently.
+choices (the trailing usage chunk carries no token, for completions and chat alike). The usage
+chunk's ``completion_tokens`` and ``prompt_tokens`` replace the client's counts, so input and
+output totals are the server's own. Two deliberate differences, both about failures only: a
+non-200 answer records its status and message rather than the bare reason phrase, and an
+``{"error": ...}`` event in the stream fails the request instead of passing silently.
 """
 
 from __future__ import annotations
@@ -117,13 +118,14 @@ class _Timer:
                 self.result.itl.append(now - self.last)
             self.text.append(_chunk_text(choices[0], self.chat))
             self.last = now
-        elif self.chat:  # vLLM's chat timing also advances on the usage chunk
-            self.last = now
         # usage usually comes alone in the last chunk; with continuous usage stats every chunk
         # carries the running total, so the last one seen wins
         usage = data.get("usage")
-        if usage and usage.get("completion_tokens") is not None:
-            self.result.output_tokens = int(usage["completion_tokens"])
+        if usage:
+            if usage.get("completion_tokens") is not None:
+                self.result.output_tokens = int(usage["completion_tokens"])
+            if usage.get("prompt_tokens") is not None:
+                self.result.prompt_len = int(usage["prompt_tokens"])
 
 
 def _chunk_text(choice: dict[str, Any], chat: bool) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from qwenserve.tools.bench.errors import BenchError
-from qwenserve.tools.bench.offline import add_engine_arguments, make_llm
+from qwenserve.tools.bench.offline import add_engine_arguments, check_fits, make_llm
 
 PERCENTAGES = (10, 25, 50, 75, 90, 99)
 
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from qwenserve import SamplingParams
 
     llm = make_llm(args)
+    check_fits(llm, args.input_len + args.output_len)
     params = SamplingParams(
         n=args.n,
         temperature=1.0,

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
+# vLLM's client-side queueing figures: only under --max-concurrency, the second only at a finite
+# request rate (with rate inf every request "arrives" at t=0, so the sum would be meaningless).
+QUEUE_METRIC_NAMES = ("client_queue_time", "e2el_including_client_queue")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 
@@ -32,7 +35,9 @@ class RequestResult:
     """What one request produced; the field names are vLLM's ``RequestFuncOutput``'s.
 
     Times are seconds. ``start_time`` is on the benchmark's clock (``time.perf_counter``).
-    ``output_tokens`` is the server's ``usage.completion_tokens`` (0 when it sent no usage).
+    ``output_tokens`` is the server's ``usage.completion_tokens`` (0 when it sent no usage);
+    ``prompt_len`` is the server's ``usage.prompt_tokens`` when it sent one, else the client's.
+    ``client_queue_time`` is the wait for a ``--max-concurrency`` slot before the send.
     """
 
     success: bool = False
@@ -44,6 +49,7 @@ class RequestResult:
     output_tokens: int = 0
     generated_text: str = ""
     error: str = ""
+    client_queue_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,20 @@ def calculate_metrics(
     )
 
 
+def queue_stats(
+    results: list[RequestResult], percentiles: list[float], finite_rate: bool
+) -> dict[str, Stats]:
+    """vLLM's queueing figures over successful requests: the wait for a concurrency slot, and
+    (at a finite rate) E2EL plus that wait, i.e. latency as the arriving user sees it."""
+    ok = [r for r in results if r.success]
+    stats = {"client_queue_time": summarize([r.client_queue_time for r in ok], percentiles)}
+    if finite_rate:
+        stats["e2el_including_client_queue"] = summarize(
+            [r.latency + r.client_queue_time for r in ok], percentiles
+        )
+    return stats
+
+
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (milliseconds)."""
     slos: dict[str, float] = {}
@@ -215,22 +235,24 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
 
 
 def parse_percentiles(text: str) -> list[float]:
-    """``"50,90,99"`` -> ``[50.0, 90.0, 99.0]``, each in (0, 100]."""
+    """``"50,90,99"`` -> ``[50.0, 90.0, 99.0]``, each in [0, 100] (vLLM and numpy allow 0)."""
     try:
         values = [float(p) for p in text.split(",") if p.strip()]
     except ValueError:
         raise ValueError(
             f"--metric-percentiles expects numbers like 50,90,99, got {text!r}"
         ) from None
-    if not values or any(not 0 < p <= 100 for p in values):
-        raise ValueError(f"--metric-percentiles values must be in (0, 100], got {text!r}")
+    if not values or any(not 0 <= p <= 100 for p in values):
+        raise ValueError(f"--metric-percentiles values must be in [0, 100], got {text!r}")
     return values
 
 
 def parse_metric_names(text: str) -> list[str]:
-    """``"ttft,tpot"`` -> ``["ttft", "tpot"]``, each one of ttft, tpot, itl, e2el."""
+    """``"ttft,tpot"`` -> ``["ttft", "tpot"]``; vLLM's names: ttft, tpot, itl, e2el and the two
+    queueing figures (shown only under ``--max-concurrency``)."""
+    allowed = METRIC_NAMES + QUEUE_METRIC_NAMES
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in METRIC_NAMES]
+    unknown = [n for n in names if n not in allowed]
     if unknown or not names:
-        raise ValueError(f"--percentile-metrics accepts {','.join(METRIC_NAMES)}; got {text!r}")
+        raise ValueError(f"--percentile-metrics accepts {','.join(allowed)}; got {text!r}")
     return names

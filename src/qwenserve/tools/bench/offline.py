@@ -34,3 +34,17 @@ def make_llm(args: argparse.Namespace) -> Any:
         return LLM(**dataclasses.asdict(engine_args))
     except (ValueError, OSError) as e:
         raise BenchError(f"cannot start the engine: {first_line(e)}") from e
+
+
+def check_fits(llm: Any, longest_total: int) -> None:
+    """vLLM's pre-check: every prompt plus its output must fit ``max_model_len``.
+
+    Without it a too-long request fails inside ``generate`` with a traceback, after the engine
+    has loaded and warmed up; with it the user gets one line naming the flag to change.
+    """
+    max_len = int(llm.llm_engine.config.scheduler.max_model_len)
+    if longest_total > max_len:
+        raise BenchError(
+            f"a request needs {longest_total} tokens (prompt + output) but max_model_len is "
+            f"{max_len}; lower --input-len/--output-len or raise --max-model-len"
+        )

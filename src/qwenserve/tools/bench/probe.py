@@ -7,11 +7,14 @@ dataset preparation. ``GET /v1/models`` answers all three in one round trip.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import httpx
 
 from qwenserve.tools.bench.errors import BenchError, first_line
+
+_RETRY_S = 1.0  # between readiness checks
 
 
 @dataclass(frozen=True)
@@ -24,14 +27,15 @@ class ServerInfo:
 
 
 def probe_server(
-    base_url: str, model: str | None, headers: dict[str, str], timeout_s: float = 10.0
+    base_url: str,
+    model: str | None,
+    headers: dict[str, str],
+    timeout_s: float = 10.0,
+    ready_timeout_s: float = 0.0,
 ) -> ServerInfo:
     """Resolve the model name to use, or raise a one-line ``BenchError``."""
     url = f"{base_url}/v1/models"
-    try:
-        response = httpx.get(url, headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise BenchError(f"cannot reach the server at {base_url}: {first_line(e)}") from e
+    response = _get_models(url, headers, timeout_s, ready_timeout_s)
     if response.status_code in (401, 403):
         raise BenchError(
             f"API key refused by {base_url} (HTTP {response.status_code}); "
@@ -44,6 +48,27 @@ def probe_server(
     if response.status_code != 200:
         raise BenchError(f"{url} answered HTTP {response.status_code}: {response.text[:200]}")
     return _pick_model(url, response, model)
+
+
+def _get_models(
+    url: str, headers: dict[str, str], timeout_s: float, ready_timeout_s: float
+) -> httpx.Response:
+    """``GET /v1/models``; with ``ready_timeout_s`` > 0 (vLLM's ``--ready-check-timeout-sec``) it
+    keeps asking while the server is unreachable or still starting (HTTP 503), so a benchmark
+    can be launched together with its server."""
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        try:
+            response = httpx.get(url, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            if time.monotonic() < deadline:
+                time.sleep(_RETRY_S)
+                continue
+            base_url = url.removesuffix("/v1/models")
+            raise BenchError(f"cannot reach the server at {base_url}: {first_line(e)}") from e
+        if response.status_code != 503 or time.monotonic() >= deadline:
+            return response
+        time.sleep(_RETRY_S)
 
 
 def _pick_model(url: str, response: httpx.Response, model: str | None) -> ServerInfo:

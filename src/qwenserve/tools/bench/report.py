@@ -10,7 +10,7 @@ import math
 import os
 from typing import Any
 
-from qwenserve.tools.bench.metrics import METRIC_NAMES, percentile_key
+from qwenserve.tools.bench.metrics import METRIC_NAMES, QUEUE_METRIC_NAMES, percentile_key
 from qwenserve.tools.bench.results import METRIC_HEADERS
 
 
@@ -20,6 +20,11 @@ def _num(value: Any) -> str:
     if isinstance(value, float):
         return "inf" if math.isinf(value) else f"{value:.2f}"
     return str(value)
+
+
+def _load(value: float) -> str:
+    """A load point as given on the command line: 4, 0.5, inf (not 4.00)."""
+    return "inf" if math.isinf(float(value)) else f"{float(value):g}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -79,7 +84,9 @@ def _latency_table(r: dict[str, Any], percentiles: list[float]) -> str:
     keys = [f"p{percentile_key(p)}" for p in percentiles]
     header = ["Metric", "Mean", "Median", "Std", *[k.upper() for k in keys]]
     rows = []
-    for name in METRIC_NAMES:
+    # the queueing figures are in the JSON only for runs under --max-concurrency
+    present = [n for n in QUEUE_METRIC_NAMES if f"mean_{n}_ms" in r]
+    for name in (*METRIC_NAMES, *present):
         short = METRIC_HEADERS[name][0]
         values = [r.get(f"{stat}_{name}_ms") for stat in ("mean", "median", "std", *keys)]
         rows.append([short, *(_num(v) for v in values)])
@@ -106,7 +113,7 @@ def sweep_table(points: list[dict[str, Any]], knee: int | None, percentiles: lis
               "median ITL", f"{p_key.upper()} ITL", "goodput req/s"]  # fmt: skip
     rows = []
     for i, p in enumerate(points):
-        load = _num(float(p["sweep_value"])) + (" **(knee)**" if i == knee else "")
+        load = _load(p["sweep_value"]) + (" **(knee)**" if i == knee else "")
         rows.append([
             load, f"{p['completed']} / {p['failed']}", _num(p["request_throughput"]),
             _num(p["output_throughput"]), _num(p["max_output_tokens_per_s"]),
@@ -130,7 +137,7 @@ def sweep_report(
     else:
         p = points[knee]
         lines.append(
-            f"**{p['sweep_kind'].replace('_', ' ')} = {_num(float(p['sweep_value']))}**: "
+            f"**{p['sweep_kind'].replace('_', ' ')} = {_load(p['sweep_value'])}**: "
             f"{_num(p['output_throughput'])} output tok/s, median TTFT "
             f"{_num(p['median_ttft_ms'])} ms, median TPOT {_num(p['median_tpot_ms'])} ms."
         )

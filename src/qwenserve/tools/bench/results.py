@@ -17,6 +17,7 @@ from typing import Any
 
 from qwenserve.tools.bench.metrics import (
     METRIC_NAMES,
+    QUEUE_METRIC_NAMES,
     BenchmarkMetrics,
     RequestResult,
     percentile_key,
@@ -28,7 +29,10 @@ METRIC_HEADERS = {
     "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
-}
+    "client_queue_time": ("Client Queue Time", "Client-side Queueing"),
+    "e2el_including_client_queue": ("E2EL incl. Client Queue",
+                                    "Queue-inclusive End-to-end Latency"),
+}  # fmt: skip
 
 
 def count_output_tokens(
@@ -104,8 +108,10 @@ def build_result(
     if not info.goodput_ms:
         out["request_goodput"] = None  # vLLM writes null when no SLO was given
     out.update(_per_request(results, output_lens))
-    for name in METRIC_NAMES:
-        out.update(_metric_keys(name, metrics))
+    out["rtfx"] = 0.0  # vLLM's speech-to-text figure; always 0 for text generation
+    for name in METRIC_NAMES + QUEUE_METRIC_NAMES:
+        if name in metrics.stats:  # the queueing figures exist only under --max-concurrency
+            out.update(_metric_keys(name, metrics))
     out.update(extra)
     return out
 
@@ -133,6 +139,7 @@ def _per_request(results: list[RequestResult], output_lens: list[int]) -> dict[s
         "itls": [r.itl for r in results],
         "latencies": [r.latency for r in results],
         "start_times": [r.start_time for r in results],
+        "queue_times": [r.client_queue_time for r in results],
         "generated_texts": [r.generated_text for r in results],
         "errors": [r.error for r in results],
     }
@@ -181,10 +188,10 @@ def format_console(
         _line("Output token throughput (tok/s):", m.output_throughput, ".2f"),
         _line("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f"),
         _line("Peak concurrent requests:", float(m.max_concurrent_requests), ".2f"),
-        _line("Total Token throughput (tok/s):", m.total_token_throughput, ".2f"),
+        _line("Total token throughput (tok/s):", m.total_token_throughput, ".2f"),
     ]
-    for name in METRIC_NAMES:
-        if name in selected_metrics:
+    for name in METRIC_NAMES + QUEUE_METRIC_NAMES:
+        if name in selected_metrics and name in m.stats:
             lines += _metric_lines(name, m)
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -30,6 +31,7 @@ from qwenserve.tools.bench.metrics import (
     parse_goodput,
     parse_metric_names,
     parse_percentiles,
+    queue_stats,
 )
 from qwenserve.tools.bench.probe import ServerInfo, probe_server
 from qwenserve.tools.bench.results import (
@@ -84,6 +86,10 @@ def _build_config(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--max-concurrency must be > 0")
     if args.warmup_requests < 0:
         raise ValueError("--warmup-requests must be >= 0")
+    if not args.request_rate > 0:  # also rejects nan
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0 (or inf), got {args.burstiness}")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint = args.endpoint or DEFAULT_ENDPOINTS[args.backend]
     if not endpoint.endswith(BACKEND_SUFFIXES[args.backend]):
@@ -167,7 +173,8 @@ def prepare(args: argparse.Namespace, config: ServeConfig) -> Session:
     """Dataset file, server probe, tokenizer and prompts: everything before the first request."""
     entries = check_spec(config.dataset)
     model = args.served_model_name or args.model
-    server = probe_server(config.base_url, model, config.headers)
+    server = probe_server(config.base_url, model, config.headers,
+                          ready_timeout_s=args.ready_check_timeout_sec)  # fmt: skip
     tokenizer = open_tokenizer(args, config, server)
     print(f"Preparing {config.dataset.num_prompts} {config.dataset.name} prompts "
           f"(tokenizer: {tokenizer.name}) ...")  # fmt: skip
@@ -181,7 +188,8 @@ def prepare(args: argparse.Namespace, config: ServeConfig) -> Session:
         headers=config.headers,
         extra_body=config.extra_body,
     )
-    model_id = args.model or server.model
+    # vLLM: without --model the model id (and so the result name) is the served model's root
+    model_id = args.model or server.root or server.model
     return Session(config, target, model_id, tokenizer, measured, warmup, args.label, entries)
 
 
@@ -191,7 +199,7 @@ def open_tokenizer(
     """A local tokenizer when one is named or the model is a local folder, else the server's."""
     path = local_tokenizer_path(args.tokenizer, args.model, server.root)
     if path is not None:
-        return HFTokenizer.load(path)
+        return HFTokenizer.load(path, args.tokenizer_mode, args.trust_remote_code)
     return ServerTokenizer(config.base_url, server.model, config.headers)
 
 
@@ -205,6 +213,9 @@ def measure(session: Session, load: LoadSpec, measured: list[SampleRequest]) -> 
     output_lens, source = count_output_tokens(run.results, session.tokenizer)
     metrics = calculate_metrics(run.results, output_lens, run.duration_s, cfg.percentiles,
                                 cfg.goodput_ms)  # fmt: skip
+    if load.max_concurrency is not None:
+        queued = queue_stats(run.results, cfg.percentiles, not math.isinf(load.request_rate))
+        metrics = replace(metrics, stats={**metrics.stats, **queued})
     print(format_console(metrics, run.duration_s, (load.request_rate, load.max_concurrency),
                          cfg.selected_metrics, bool(cfg.goodput_ms)))  # fmt: skip
     first_error = next((r.error for r in run.results if not r.success), "")
@@ -213,7 +224,7 @@ def measure(session: Session, load: LoadSpec, measured: list[SampleRequest]) -> 
     warm_lens, _ = count_output_tokens(run.warmup, session.tokenizer)
     info = RunInfo(
         backend=cfg.backend, label=session.label, model_id=session.model_id,
-        tokenizer_id=session.tokenizer.name, num_prompts=len(measured),
+        tokenizer_id=session.tokenizer.name, num_prompts=cfg.dataset.num_prompts,
         request_rate=load.request_rate, burstiness=load.burstiness,
         max_concurrency=load.max_concurrency, dataset_name=cfg.dataset.name,
         seed=cfg.dataset.seed, goodput_ms=cfg.goodput_ms,

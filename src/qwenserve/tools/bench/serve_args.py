@@ -54,7 +54,24 @@ def _add_target(g: argparse._ArgumentGroup) -> None:
         help="Hugging Face tokenizer (folder or id) for client-side counts; default: "
         "--model when it is a local folder, else the server's /tokenize",
     )
+    g.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        choices=["auto", "hf", "slow"],
+        help="auto/hf: the fast tokenizer when there is one; slow: the Python one",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run a tokenizer's own code (local tokenizers only)",
+    )
     g.add_argument("--api-key", default=None, help="bearer token; default: $OPENAI_API_KEY")
+    g.add_argument(
+        "--ready-check-timeout-sec",
+        type=int,
+        default=0,
+        help="wait up to this long for the server to come up (0: fail at once, as vLLM)",
+    )
     g.add_argument(
         "--header",
         nargs="*",

@@ -36,7 +36,7 @@ from qwenserve.tools.bench.serve import Session, measure, output_path, write_tex
 KINDS = {"request-rate": "request_rate", "rate": "request_rate", "qps": "request_rate",
          "max-concurrency": "max_concurrency", "concurrency": "max_concurrency"}  # fmt: skip
 PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
-                    "generated_texts", "errors")  # fmt: skip
+                    "queue_times", "generated_texts", "errors")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 from qwenserve.tools.bench.datasets import DatasetSpec, build_workload, check_spec, normalize_name
 from qwenserve.tools.bench.errors import BenchError
-from qwenserve.tools.bench.offline import add_engine_arguments, make_llm
+from qwenserve.tools.bench.offline import add_engine_arguments, check_fits, make_llm
 from qwenserve.tools.bench.tokenizer import HFTokenizer
 
 
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     llm = make_llm(args)
     tokenizer = HFTokenizer(llm.get_tokenizer(), args.tokenizer or args.model or "model")
     requests, _ = build_workload(spec, tokenizer, 0, entries)
+    check_fits(llm, max(r.prompt_len + r.expected_output_len for r in requests))
     elapsed_s, outputs = generate(llm, requests, args.n, args.disable_detokenize)
     prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)

@@ -54,14 +54,18 @@ class HFTokenizer:
         self.name = name
 
     @classmethod
-    def load(cls, path: str) -> HFTokenizer:
-        """Load with ``AutoTokenizer``, or raise a one-line ``BenchError``."""
+    def load(cls, path: str, mode: str = "auto", trust_remote_code: bool = False) -> HFTokenizer:
+        """Load with ``AutoTokenizer`` (``mode`` as vLLM's ``--tokenizer-mode``), or raise a
+        one-line ``BenchError``."""
         try:
             from transformers import AutoTokenizer
         except ImportError as e:  # pragma: no cover - depends on the client machine
             raise BenchError(f"--tokenizer needs the 'transformers' package: {e}") from e
         try:
-            return cls(AutoTokenizer.from_pretrained(path), path)
+            tok = AutoTokenizer.from_pretrained(
+                path, use_fast=mode != "slow", trust_remote_code=trust_remote_code
+            )
+            return cls(tok, path)
         except Exception as e:
             raise BenchError(f"cannot load a tokenizer from {path!r}: {first_line(e)}") from e
 
