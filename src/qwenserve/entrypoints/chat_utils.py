@@ -119,7 +119,12 @@ def _join_parts(index: int, parts: list, content_format: str) -> str | list:
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+        if kind in ("text", "input_text") and not isinstance(part.get("text"), str):
+            raise ChatMessageError(
+                f"messages[{index}].content[{j}]: a {kind!r} part needs a string 'text' field",
+                param=f"messages.{index}.content",
+            )
+        if kind not in ("text", "input_text"):
             raise ChatMessageError(
                 f"messages[{index}].content[{j}]: content part type {kind!r} is not supported; "
                 'qwenserve serves text-only models (use {"type": "text", "text": ...})',

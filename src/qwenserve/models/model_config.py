@@ -106,8 +106,7 @@ def _read_generation_config(folder: str, mode: str) -> dict:
         defaults["max_tokens"] = raw["max_new_tokens"]
     if raw.get("eos_token_id") is not None:
         defaults["eos_token_id"] = raw["eos_token_id"]
-    if raw.get("do_sample") is False:
-        defaults["temperature"] = 0.0
+    # do_sample is not read: vLLM ignores it too, so the same request samples the same way.
     return defaults
 
 

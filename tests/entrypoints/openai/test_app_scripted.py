@@ -167,28 +167,44 @@ def test_api_key_from_the_environment(client):
     assert asyncio.run(first_model(client)) == "qwen3"
 
 
-def test_generation_config_defaults_fill_unset_fields():
-    """--generation-config auto: the model's values for fields the request leaves unset, and
-    max_new_tokens as a cap; --override-generation-config on top."""
+def _defaults_app(generation_defaults: dict, **options):
     from helpers.tiny_models import build_tokenizer
 
-    engine = ScriptedEngine(build_tokenizer(), {"temperature": 0.6, "top_k": 20, "max_tokens": 9})
-    options = ServingOptions(["m"], generation_overrides={"top_p": 0.8})
+    engine = ScriptedEngine(build_tokenizer(), generation_defaults)
     args = make_serve_parser().parse_args([])
-    app = _build_app(args, ServerState(engine, options), make_registry(process_metrics=False))
+    state = ServerState(engine, ServingOptions(["m"], **options))
+    app = _build_app(args, state, make_registry(process_metrics=False))
 
-    async def call(**kwargs):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            body = {"messages": MSG, **kwargs}
-            return (await c.post("/v1/chat/completions", json=body)).status_code
+    def call(**kwargs):
+        async def post():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                body = {"messages": MSG, **kwargs}
+                return (await c.post("/v1/chat/completions", json=body)).status_code
 
-    assert asyncio.run(call()) == 200
-    p = engine.params[-1]
+        assert asyncio.run(post()) == 200
+        return engine.params[-1]
+
+    return call
+
+
+def test_generation_config_defaults_fill_unset_fields():
+    """--generation-config auto: the model's values for fields the request leaves unset
+    (max_new_tokens only when max_tokens is unset, as vLLM); --override-generation-config on
+    top, and its max_new_tokens caps every request."""
+    call = _defaults_app(
+        {"temperature": 0.6, "top_k": 20, "max_tokens": 9}, generation_overrides={"top_p": 0.8}
+    )
+    p = call()
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.8, 9)
-    assert asyncio.run(call(temperature=0.0, max_tokens=100)) == 200
-    p = engine.params[-1]
-    assert p.temperature == 0.0 and p.max_tokens == 9
+    p = call(temperature=0.0, max_tokens=100)
+    assert p.temperature == 0.0 and p.max_tokens == 100
+    call = _defaults_app({"max_tokens": 9}, generation_overrides={"max_new_tokens": 5})
+    assert call().max_tokens == 5 and call(max_tokens=100).max_tokens == 5
+    assert call(max_tokens=3).max_tokens == 3
+    # --generation-config FOLDER: that folder's max_new_tokens is a cap, as in vLLM
+    call = _defaults_app({"max_tokens": 9}, generation_config="/models/gen")
+    assert call(max_tokens=100).max_tokens == 9
 
 
 def test_vllm_api_key_env_is_honoured(monkeypatch):
@@ -208,3 +224,28 @@ def test_vllm_api_key_env_is_honoured(monkeypatch):
 
     assert asyncio.run(status("vllm-key")) == 200
     assert asyncio.run(status("other")) == 401
+
+
+def test_request_id_headers():
+    """--enable-request-id-headers: the client's X-Request-Id comes back (and names the
+    completion), or a fresh one when it sent none; without the flag no header is added."""
+    from helpers.tiny_models import build_tokenizer
+
+    def app_for(argv):
+        state = ServerState(ScriptedEngine(build_tokenizer()), ServingOptions(["m"]))
+        return _build_app(
+            make_serve_parser().parse_args(argv), state, make_registry(process_metrics=False)
+        )
+
+    async def post(app, headers):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            body = {"messages": MSG, "max_tokens": 4}
+            return await c.post("/v1/chat/completions", json=body, headers=headers)
+
+    app = app_for(["--enable-request-id-headers"])
+    r = asyncio.run(post(app, {"X-Request-Id": "abc-123"}))
+    assert r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "chatcmpl-abc-123"
+    fresh = asyncio.run(post(app, {})).headers["x-request-id"]
+    assert len(fresh) == 32 and fresh != asyncio.run(post(app, {})).headers["x-request-id"]
+    assert "x-request-id" not in asyncio.run(post(app_for([]), {"X-Request-Id": "x"})).headers

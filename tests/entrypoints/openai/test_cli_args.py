@@ -46,6 +46,13 @@ def parse(argv: list[str]):
     return make_serve_parser().parse_args(argv)
 
 
+def cli_main_parse(argv: list[str]):
+    """Parse as ``qwenserve serve ...`` does (the serve parser is a subparser there)."""
+    from qwenserve.entrypoints.cli import build_parser
+
+    return build_parser("serve").parse_args(argv)
+
+
 def test_every_flag_of_the_issue_with_vllm_defaults():
     parser = make_serve_parser()
     known = {s for a in parser._actions for s in a.option_strings}
@@ -111,6 +118,9 @@ def test_help_groups_like_vllm(capsys):
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
         (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--max-loras", "4"], "--max-loras is not implemented yet in qwenserve"),
+        (["--rope-theta=1e6"], "--rope-theta is not implemented yet in qwenserve"),
+        (["--disable-custom-all-reduce"], "--disable-custom-all-reduce is not implemented yet"),
     ],
 )
 def test_refused_flags_say_why(capsys, argv, words):
@@ -118,6 +128,19 @@ def test_refused_flags_say_why(capsys, argv, words):
         parse(["model", *argv])
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_help_all_and_a_keyword_without_match(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["--help=all"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--max-num-seqs" in out and "--port" in out
+    assert "--help=listgroup" in out  # the epilog, as vLLM's
+    with pytest.raises(SystemExit):
+        parse(["--help=lora"])
+    out = capsys.readouterr().out
+    assert "No group or parameter matching 'lora'" in out and "--max-loras" in out
+    assert "not implemented yet" in out
 
 
 def test_flags_vllm_ignores_or_defaults_are_accepted():
@@ -155,6 +178,16 @@ def test_config_yaml_and_command_line_wins(tmp_path):
     assert ns.model == "/models/qwen" and ns.port == 9100 and ns.served_model_name == ["a", "b"]
     assert ns.enable_prefix_caching is False and ns.max_model_len == 4000
     assert ns.default_chat_template_kwargs == {"enable_thinking": False}
+    # A model on the command line wins over the YAML's, as in vLLM (no "given twice" clash).
+    ns = parse(["/models/other", "--config", str(config)])
+    assert ns.model_tag == "/models/other" and ns.model is None and ns.port == 9000
+    ns = parse(["--model", "/models/third", "--config", str(config)])
+    assert ns.model == "/models/third"
+    # A list-valued flag last in the file must not swallow the command line's model.
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("model: /models/qwen\napi-key: [k1, k2]\n")
+    ns = cli_main_parse(["serve", "/models/cli", "--config", str(listed)])
+    assert ns.model_tag == "/models/cli" and ns.api_key == ["k1", "k2"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("not_a_flag: 1\n")
     with pytest.raises(SystemExit):

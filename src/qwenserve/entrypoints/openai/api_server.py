@@ -73,6 +73,7 @@ def _options(args: argparse.Namespace, model_name: str) -> Any:
         log_requests=not args.disable_log_requests,
         max_log_len=args.max_log_len,
         generation_overrides=dict(args.override_generation_config or {}),
+        generation_config=args.generation_config or "auto",
     )
 
 

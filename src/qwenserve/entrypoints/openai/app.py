@@ -173,7 +173,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         detail = next(e for e in errors if e.get("type") == "json_invalid")
         reason = (detail.get("ctx") or {}).get("error", detail.get("msg"))
         return f"Invalid JSON in the request body: {reason}", None
-    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    # A body that is a union (``/tokenize``) puts the model's class name into the location.
+    locs = [
+        [str(p) for p in e.get("loc", ()) if p != "body" and not str(p).endswith("Request")]
+        for e in errors
+    ]
     prefix: list[str] = []
     for parts in zip(*locs, strict=False):
         if len(set(parts)) != 1:

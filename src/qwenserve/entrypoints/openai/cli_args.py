@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import types
 from typing import Any
 
@@ -47,6 +48,45 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
     (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
     (("--headless",), {"action": BOOL}, (None, False)),
+)
+
+
+# Other ``vllm serve`` flags: qwenserve has no equivalent, so they are refused by name ("not
+# implemented yet") rather than with argparse's bare "unrecognized arguments".
+VLLM_ONLY_FLAGS = frozenset(
+    """
+    --all2all-backend --allowed-local-media-path --allowed-media-domains --calculate-kv-scales
+    --code-revision --collect-detailed-traces --config-format --convert --cpu-offload-params
+    --cuda-graph-sizes --data-parallel-address --data-parallel-backend --data-parallel-rank
+    --data-parallel-rpc-port --data-parallel-size-local --data-parallel-start-rank
+    --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
+    --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
+    --disable-sliding-window --enable-dbo --enable-eplb --enable-expert-parallel
+    --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
+    --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
+    --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none --fully-sharded-loras
+    --h11-max-header-count --h11-max-incomplete-event-size --hf-config-path --hf-token
+    --ignore-patterns --kv-events-config --limit-mm-per-prompt --log-config-file
+    --log-error-stack --logits-processors --logprobs-mode --long-prefill-token-threshold
+    --mamba-ssm-cache-dtype --max-cpu-loras --max-long-partial-prefills --max-lora-rank
+    --max-loras --max-num-partial-prefills --max-parallel-loading-workers
+    --max-seq-len-to-capture --middleware --mm-encoder-tp-mode --mm-processor-cache-gb
+    --mm-processor-kwargs --model-impl --model-loader-extra-config --num-lookahead-slots
+    --num-scheduler-steps --otlp-traces-endpoint --override-pooler-config --pooler-config
+    --preemption-mode --prefix-caching-hash-algo --pt-load-map-location
+    --ray-workers-use-nsight --rope-scaling --rope-theta --runner --scheduler-cls
+    --skip-tokenizer-init --ssl-ca-certs --ssl-cert-reqs --stream-interval --task
+    --tokenizer-revision --tokens-only --tool-server --use-tqdm-on-load --worker-cls
+    --worker-extension-cls
+    """.split()
+)
+
+
+HELP_EPILOG = (
+    "For full list:            {prog} --help=all\n"
+    "For the groups:           {prog} --help=listgroup\n"
+    "For a section:            {prog} --help=ModelConfig    (case-insensitive)\n"
+    "For a flag:               {prog} --help=max-model-len  (_ or - accepted)\n"
 )
 
 
@@ -221,9 +261,13 @@ def _add_engine_extras(parser: argparse.ArgumentParser) -> None:
 
 def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
     listed = ", ".join(names[0] for names, _, _ in UNIMPLEMENTED)
+    about = (
+        f"vLLM flags qwenserve accepts only at their default (or no-op) value: {listed}. "
+        f"Refused whatever their value: {', '.join(sorted(VLLM_ONLY_FLAGS))}."
+    )
+    # The help formatter keeps descriptions raw (for the epilog), so wrap this one here.
     g = parser.add_argument_group(
-        "Not implemented yet",
-        f"vLLM flags qwenserve accepts only at their default (or no-op) value: {listed}.",
+        "Not implemented yet", textwrap.fill(about, 78, break_on_hyphens=False)
     )
     for names, kwargs, _ in UNIMPLEMENTED:
         g.add_argument(*names, default=None, help=argparse.SUPPRESS, **kwargs)
@@ -241,6 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     _add_engine_extras(parser)
     _add_unimplemented(parser)
+    parser.epilog = HELP_EPILOG.format(prog=parser.prog)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     # The instance attribute overrides the class method, also when the parser is a subparser.
     parser.parse_known_args = types.MethodType(_parse_known_args, parser)  # type: ignore
 
@@ -267,16 +313,27 @@ def _parse_known_args(
 ) -> tuple[argparse.Namespace, list[str]]:
     argv = list(sys.argv[1:] if args is None else args)
     _maybe_filtered_help(self, argv)
-    argv = expand_config(self, argv)
+    config_argv, config_model = read_config(self, argv)
+    if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
+        namespace, _ = argparse.ArgumentParser.parse_known_args(self, config_argv, namespace)
     ns, extra = argparse.ArgumentParser.parse_known_args(self, argv, namespace)
+    if config_model is not None and ns.model_tag is None and ns.model is None:
+        ns.model = config_model  # the YAML's model, unless the command line names one
+    for arg in extra:
+        if arg.split("=", 1)[0] in VLLM_ONLY_FLAGS:
+            self.error(f"{arg.split('=', 1)[0]} is not implemented yet in qwenserve; remove it")
     problem = validate_args(ns)
     if problem:
         self.error(problem)
     return ns, extra
 
 
-def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``--config FILE``: its flags go first, so flags on the command line override them."""
+def read_config(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], str | None]:
+    """``--config FILE`` -> (its flags as argv, its ``model``), both empty without ``--config``.
+
+    The caller parses the file's flags first and the command line on top, so command-line flags
+    win. The model is kept apart, as vLLM does, so that a model named on the command line
+    (positional or ``--model``) wins over it instead of clashing."""
     path = None
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
@@ -284,7 +341,7 @@ def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
         elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
     if path is None:
-        return argv
+        return [], None
     import yaml
 
     try:
@@ -294,7 +351,8 @@ def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
         parser.error(f"--config {path}: {e}")
     if not isinstance(data, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values")
-    return config_to_argv(parser, data) + argv
+    model = data.pop("model", None)
+    return config_to_argv(parser, data), None if model is None else str(model)
 
 
 def config_to_argv(parser: argparse.ArgumentParser, data: dict[str, Any]) -> list[str]:
@@ -323,6 +381,9 @@ def _maybe_filtered_help(parser: argparse.ArgumentParser, argv: list[str]) -> No
     query = next((a.split("=", 1)[1] for a in argv if a.startswith("--help=")), None)
     if query is None:
         return
+    if query == "all":
+        parser.print_help()
+        parser.exit(0)
     groups = [g for g in parser._action_groups if g._group_actions]
     if query == "listgroup":
         print("\n".join(g.title for g in groups if g.title))
@@ -336,13 +397,27 @@ def _maybe_filtered_help(parser: argparse.ArgumentParser, argv: list[str]) -> No
     if not matched:
         key = query.lower().lstrip("-").replace("_", "-")
         actions = [
-            a for a in parser._actions if any(key in s.lstrip("-") for s in a.option_strings)
+            a
+            for a in parser._actions
+            if a.help != argparse.SUPPRESS and any(key in s.lstrip("-") for s in a.option_strings)
         ]
+        refused = sorted(f for f in _refused_flags() if key in f.lstrip("-"))
+        if not actions:
+            note = f" ({', '.join(refused)}: not implemented yet in qwenserve)" if refused else ""
+            print(
+                f"No group or parameter matching {query!r}{note}. Use '--help' to see the "
+                "groups or '--help=all' to see every parameter."
+            )
+            parser.exit(0)
         formatter.start_section(f"flags matching {query!r}")
         formatter.add_arguments(actions)
         formatter.end_section()
     print(formatter.format_help())
     parser.exit(0)
+
+
+def _refused_flags() -> list[str]:
+    return [*VLLM_ONLY_FLAGS, *(n for names, _, _ in UNIMPLEMENTED for n in names)]
 
 
 def validate_args(ns: argparse.Namespace) -> str | None:

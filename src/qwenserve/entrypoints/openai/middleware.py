@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import uuid
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -121,7 +122,8 @@ class BodyLimitMiddleware:
 
 
 class ServerStateMiddleware:
-    """Refuses new /v1 work while draining (SIGTERM received) and echoes ``X-Request-Id``."""
+    """Refuses new /v1 work while draining (SIGTERM received) and, with
+    ``--enable-request-id-headers``, answers with an ``X-Request-Id`` header."""
 
     def __init__(self, app: ASGIApp, state: Any, echo_request_id: bool) -> None:
         self.app = app
@@ -133,9 +135,10 @@ class ServerStateMiddleware:
             return await self.app(scope, receive, send)
         if self.state.draining and scope["path"].startswith(GUARDED_PREFIXES):
             return await send_error(send, 503, "The server is shutting down")
-        request_id = _header(scope, b"x-request-id") if self.echo_request_id else None
-        if request_id is None:
+        if not self.echo_request_id:
             return await self.app(scope, receive, send)
+        # As vLLM's --enable-request-id-headers: the client's id, or a fresh one.
+        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -29,6 +29,7 @@ from qwenserve.entrypoints.openai.serving_engine import (
     chat_logprobs,
     engine_error,
     log_request,
+    prompt_logprobs_body,
     resolve_max_tokens,
     usage,
 )
@@ -150,6 +151,8 @@ def render_prompt(
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str | None) -> ChatJob:
     model = state.check_model(req.model)
     parse_tools = _check_tool_choice(state, req)
+    if req.top_logprobs is not None and req.top_logprobs < 0:
+        raise bad_request("`top_logprobs` must be a positive value.", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request(
             "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
@@ -305,6 +308,6 @@ async def chat_complete(
         "choices": choices,
         "usage": usage_body,
         "system_fingerprint": None,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs_body(final.prompt_logprobs),
         "kv_transfer_params": None,
     }

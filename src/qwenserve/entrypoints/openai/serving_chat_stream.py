@@ -15,6 +15,7 @@ from qwenserve.entrypoints.openai.serving_engine import (
     ServerState,
     chat_logprobs,
     engine_error,
+    prompt_logprobs_body,
     usage,
 )
 from qwenserve.entrypoints.openai.streaming import DONE, chain_first, sse
@@ -48,7 +49,7 @@ async def stream_chat(
     num_cached = 0
     try:
         if first is not None:
-            yield _role_chunks(state, job, include_usage)
+            yield _role_chunks(state, job, include_usage, first)
         async for out in chain_first(first, agen):
             num_cached = max(num_cached, out.num_cached_tokens)
             for comp in out.outputs:
@@ -74,7 +75,10 @@ async def stream_chat(
     yield DONE
 
 
-def _role_chunks(state: ServerState, job: ChatJob, include_usage: bool) -> str:
+def _role_chunks(
+    state: ServerState, job: ChatJob, include_usage: bool, first: RequestOutput
+) -> str:
+    """The role chunk (every choice), carrying ``prompt_logprobs`` when they were asked for."""
     role = state.options.response_role
     chunk = _chunk(
         job,
@@ -88,6 +92,8 @@ def _role_chunks(state: ServerState, job: ChatJob, include_usage: bool) -> str:
             for i in range(job.request.n)
         ],
     )
+    if first.prompt_logprobs is not None:
+        chunk["prompt_logprobs"] = prompt_logprobs_body(first.prompt_logprobs)
     if include_usage:
         chunk["usage"] = None
     return sse(chunk)

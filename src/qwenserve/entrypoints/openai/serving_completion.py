@@ -20,6 +20,7 @@ from qwenserve.entrypoints.openai.serving_engine import (
     completion_logprobs,
     engine_error,
     log_request,
+    prompt_logprobs_body,
     resolve_max_tokens,
     usage,
 )
@@ -68,10 +69,6 @@ def prepare_completion(
     model = state.check_model(req.model)
     if req.suffix is not None:
         raise bad_request("suffix is not currently supported", "suffix")
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs needs prompt logprobs, which qwenserve does not support yet", "echo"
-        )
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported by qwenserve yet", "best_of")
     prompts = []
@@ -104,15 +101,38 @@ def _echo_text(state: ServerState, prompt: _Prompt) -> str:
     return prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
 
 
+@dataclass
+class _Echo:
+    """What an echoed prompt adds in front of a choice: its text and, with ``logprobs``, its
+    tokens and their scores (vLLM prepends those to the completion's own)."""
+
+    text: str = ""
+    token_ids: list[int] | None = None
+    logprobs: list | None = None
+
+
+def _echo(state: ServerState, job: CompletionJob, i: int, prompt_lps: Any) -> _Echo:
+    if not job.request.echo:
+        return _Echo()
+    prompt = job.prompts[i]
+    if job.request.logprobs is None or prompt_lps is None:
+        return _Echo(_echo_text(state, prompt))
+    return _Echo(_echo_text(state, prompt), prompt.token_ids, list(prompt_lps))
+
+
 def _choice(
-    state: ServerState, job: CompletionJob, index: int, comp: Any, prefix: str, offset: int
+    state: ServerState, job: CompletionJob, index: int, comp: Any, echo: _Echo, offset: int
 ) -> dict[str, Any]:
+    """One choice; ``offset`` is where its text (echoed prompt included) starts."""
+    ids, entries = comp.token_ids, comp.logprobs
+    if echo.logprobs is not None and entries is not None:
+        ids, entries = [*echo.token_ids, *ids], [*echo.logprobs, *entries]
+    else:
+        offset += len(echo.text)
     return {
         "index": index,
-        "text": prefix + comp.text,
-        "logprobs": completion_logprobs(
-            state, comp.token_ids, comp.logprobs, job.request.logprobs or 0, offset
-        ),
+        "text": echo.text + comp.text,
+        "logprobs": completion_logprobs(state, ids, entries, job.request.logprobs or 0, offset),
         "finish_reason": comp.finish_reason,
         "stop_reason": comp.stop_reason,
     }
@@ -131,12 +151,13 @@ async def complete(state: ServerState, job: CompletionJob) -> dict[str, Any]:
         _log(state, job, None, "error")
         raise engine_error(e) from e
     choices, num_output = [], 0
-    for i, prompt in enumerate(job.prompts):
-        prefix = _echo_text(state, prompt) if job.request.echo else ""
-        for comp in finals[i].outputs:
+    for i, out in sorted(finals.items()):
+        echo = _echo(state, job, i, out.prompt_logprobs)
+        scored = prompt_logprobs_body(out.prompt_logprobs)
+        for comp in out.outputs:
             num_output += len(comp.token_ids)
-            choice = _choice(state, job, i * job.n + comp.index, comp, prefix, len(prefix))
-            choices.append({**choice, "prompt_logprobs": None})
+            choice = _choice(state, job, i * job.n + comp.index, comp, echo, 0)
+            choices.append({**choice, "prompt_logprobs": scored})
     choices.sort(key=lambda c: c["index"])
     num_prompt = sum(len(p.token_ids) for p in job.prompts)
     num_cached = sum(out.num_cached_tokens for out in finals.values())
@@ -176,20 +197,26 @@ class _StreamState:
         self.num_cached = [0] * len(job.prompts)
         self.offsets: dict[int, int] = {}
         self.finishes: list[str] = []
+        # Prompt logprobs come with a prompt's first output only; n choices each echo them.
+        self.prompt_lps: dict[int, Any] = {}
 
     def chunk(self, i: int, out: RequestOutput, comp: Any) -> dict[str, Any]:
         index = i * self.job.n + comp.index
         first = index not in self.offsets
-        prefix = (
-            _echo_text(self.state, self.job.prompts[i]) if self.job.request.echo and first else ""
-        )
+        new_scores = out.prompt_logprobs is not None and i not in self.prompt_lps
+        if new_scores:
+            self.prompt_lps[i] = out.prompt_logprobs
+        echo = _echo(self.state, self.job, i, self.prompt_lps.get(i)) if first else _Echo()
         offset = self.offsets.get(index, 0)
-        self.offsets[index] = offset + len(prefix) + len(comp.text)
+        self.offsets[index] = offset + len(echo.text) + len(comp.text)
         self.num_output[i] += len(comp.token_ids)
         self.num_cached[i] = max(self.num_cached[i], out.num_cached_tokens)
         if comp.finish_reason is not None:
             self.finishes.append(comp.finish_reason)
-        chunk = _chunk(self.job, [_choice(self.state, self.job, index, comp, prefix, offset)])
+        choice = _choice(self.state, self.job, index, comp, echo, offset)
+        if new_scores:
+            choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
+        chunk = _chunk(self.job, [choice])
         if self.include_usage:
             chunk["usage"] = self.usage() if self.continuous else None
         return chunk

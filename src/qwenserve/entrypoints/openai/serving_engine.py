@@ -51,6 +51,7 @@ class ServingOptions:
     log_requests: bool = True
     max_log_len: int | None = None
     generation_overrides: dict[str, Any] = field(default_factory=dict)
+    generation_config: str = "auto"  # --generation-config: auto | vllm | a folder
 
 
 class ServerState:
@@ -66,10 +67,17 @@ class ServerState:
         self.max_logprobs = int(getattr(config, "max_logprobs", 20))
         self.vocab_size = int(config.model.vocab_size)
         self.tokenizer = engine.get_tokenizer()
-        self.generation_defaults = {
-            **config.model.generation_defaults,
-            **options.generation_overrides,
-        }
+        overrides = dict(options.generation_overrides)
+        if "max_new_tokens" in overrides:  # the generation_config.json name, as vLLM takes it
+            overrides["max_tokens"] = overrides.pop("max_new_tokens")
+        self.generation_defaults = {**config.model.generation_defaults, **overrides}
+        # vLLM's rule: with --generation-config auto|vllm the model's max_new_tokens only fills
+        # in an unset max_tokens; an --override-generation-config value (or a folder's) caps it.
+        self.override_max_tokens = (
+            overrides.get("max_tokens")
+            if options.generation_config in ("auto", "vllm")
+            else self.generation_defaults.get("max_tokens")
+        )
         self.created = int(time.time())
         self.draining = False
         self._counter = itertools.count()
@@ -118,8 +126,9 @@ def check_unsupported(req: SamplingRequest) -> None:
 def resolve_max_tokens(
     state: ServerState, requested: int | None, num_prompt_tokens: int
 ) -> int | None:
-    """vLLM's rule: the smallest of the room left in the context, the request's value and the
-    model's ``max_new_tokens``; a request that cannot fit is a 400 with both numbers."""
+    """vLLM's rule: the smallest of the room left in the context, the request's value (else the
+    default ``max_new_tokens``) and an override cap; a request that cannot fit is a 400 with
+    both numbers."""
     if num_prompt_tokens >= state.max_model_len or (
         requested is not None
         and requested > 0
@@ -129,8 +138,8 @@ def resolve_max_tokens(
     if requested is not None and requested < 1:
         return requested  # SamplingParams words the error
     room = state.max_model_len - num_prompt_tokens
-    caps = [v for v in (room, requested, state.generation_defaults.get("max_tokens")) if v]
-    return min(caps)
+    fallback = requested if requested is not None else state.generation_defaults.get("max_tokens")
+    return min(v for v in (room, fallback, state.override_max_tokens) if v)
 
 
 def build_sampling_params(
@@ -149,11 +158,15 @@ def build_sampling_params(
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, _NEUTRAL_DEFAULTS[name])
 
-    if logprobs is not None and logprobs > state.max_logprobs:
-        raise bad_request(
-            f"logprobs {logprobs} is more than the server's max_logprobs ({state.max_logprobs})",
-            "logprobs",
-        )
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+        if value is not None and value > state.max_logprobs:
+            raise bad_request(
+                f"{name} {value} is more than the server's max_logprobs ({state.max_logprobs})",
+                name,
+            )
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and getattr(req, "echo", False):
+        prompt_logprobs = logprobs  # vLLM: echo with logprobs scores the echoed prompt too
     try:
         return SamplingParams(
             n=req.n,
@@ -171,7 +184,7 @@ def build_sampling_params(
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
@@ -234,26 +247,37 @@ def chat_logprobs(
 def completion_logprobs(
     state: ServerState,
     token_ids: list[int],
-    entries: list[dict[int, Logprob]] | None,
+    entries: list[dict[int, Logprob] | None] | None,
     top_k: int,
     text_offset: int = 0,
 ) -> dict | None:
     """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset. The
-    sampled token is always among the top entries (so up to ``logprobs + 1``), as OpenAI does."""
+    sampled token is always among the top entries (so up to ``logprobs + 1``), as OpenAI does.
+    An entry of None (the first token of an echoed prompt: nothing precedes it) gives
+    ``null`` logprobs, as vLLM and OpenAI do."""
     if entries is None:
         return None
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
     for token_id, entry in zip(token_ids, entries, strict=False):
-        lp = entry[token_id]
-        text = _token_text(state, token_id, lp)
+        if entry is None:
+            text = state.tokenizer.decode([token_id])
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            lp = entry[token_id]
+            text = _token_text(state, token_id, lp)
+            token_logprobs.append(max(lp.logprob, -9999.0))
+            top = {
+                _token_text(state, t, tlp): max(tlp.logprob, -9999.0)
+                for t, tlp in _top(entry, top_k)
+            }
+            top.setdefault(text, max(lp.logprob, -9999.0))
+            tops.append(top)
         tokens.append(text)
-        token_logprobs.append(max(lp.logprob, -9999.0))
-        top = {
-            _token_text(state, t, tlp): max(tlp.logprob, -9999.0) for t, tlp in _top(entry, top_k)
-        }
-        top.setdefault(text, max(lp.logprob, -9999.0))
-        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -262,6 +286,26 @@ def completion_logprobs(
         "tokens": tokens,
         "top_logprobs": tops,
     }
+
+
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``, the scored token first."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": max(lp.logprob, -9999.0),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 # ---- usage and logging ------------------------------------------------------------------------
