@@ -1,4 +1,5 @@
-"""Factories for the operator-tool tests (doctor, diagnose, deploy): fake Ascend 910B hosts, fake packages, tiny models.
+"""Factories for the operator-tool tests (doctor, diagnose, deploy): fake Ascend 910B hosts, fake
+packages, tiny models.
 
 A fake host is a folder laid out like /usr/local/Ascend (version files, set_env.sh, driver
 library) plus an ``npu-smi`` shell script on PATH that prints a table in the real format, so
@@ -103,8 +104,16 @@ class FakeAscendHost:
     def toolkit(self) -> Path:
         return self.root / "ascend-toolkit" / "latest"
 
-    def set_npu_smi(self, table: str, exit_code: int = 0) -> None:
-        body = f"#!/bin/sh\ncat <<'TABLE'\n{table}TABLE\nexit {exit_code}\n"
+    def set_npu_smi(self, table: str, exit_code: int = 0, board: str | None = None) -> None:
+        """``npu-smi info`` prints ``table``; ``npu-smi info -t board -i N`` prints ``board``
+        when given (else the table, which has no board keys)."""
+        body = "#!/bin/sh\n"
+        if board is not None:
+            body += (
+                f'if [ "$2" = "-t" ] && [ "$3" = "board" ]; then\n'
+                f"cat <<'BOARD'\n{board}BOARD\nexit 0\nfi\n"
+            )
+        body += f"cat <<'TABLE'\n{table}TABLE\nexit {exit_code}\n"
         write_executable(self.bin_dir / "npu-smi", body)
 
     def write_cann(self, version: str, cfg_version: str | None = None) -> None:
@@ -142,6 +151,22 @@ class FakeAscendHost:
         monkeypatch.setenv(
             "LD_LIBRARY_PATH", f"{self.toolkit}/lib64:{driver}/driver:{driver}/common"
         )
+
+
+def npu_smi_board(firmware: str = "7.7.0.1.231", compatibility: str = "OK") -> str:
+    """``npu-smi info -t board -i 0`` as the Ascend docs show it."""
+    rows = [
+        ("NPU ID", "0"),
+        ("Software Version", "25.0.rc1.1"),
+        ("Firmware Version", firmware),
+        ("Compatibility", compatibility),
+        ("Board ID", "0x02"),
+        ("PCB ID", "A"),
+        ("BOM ID", "1"),
+        ("PCIe Bus Info", "0000:61:00.0"),
+        ("Chip Count", "1"),
+    ]
+    return "".join(f"        {key:<31}: {value}\n" for key, value in rows)
 
 
 WORKING_TORCH_NPU = """
@@ -334,7 +359,8 @@ def wait_for_port(port: int, process: object, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:  # type: ignore[attr-defined]
-            raise RuntimeError(f"load balancer exited: {process.stderr.read()}")  # type: ignore[attr-defined]
+            stderr = process.stderr.read()  # type: ignore[attr-defined]
+            raise RuntimeError(f"load balancer exited: {stderr}")
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return

@@ -3,7 +3,6 @@ PromQL (promtool) and names only metrics the server exports."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import subprocess
@@ -45,19 +44,40 @@ def test_metric_list_is_consistent():
     assert "vllm:time_to_first_token_seconds" not in series_names()  # only its _bucket/_sum/_count
 
 
-def test_metric_list_matches_the_server_when_it_has_a_table():
-    """Every series the dashboard may use is exported by the server, with the same type."""
-    try:
-        server = importlib.import_module("qwenserve.metrics.prometheus")
-    except ImportError:
-        pytest.skip("qwenserve.metrics.prometheus does not exist yet")
-    exported = set(getattr(server, "EXPORTED_METRICS", ()))
-    if not exported:
-        pytest.skip("the server's metric table has no EXPORTED_METRICS yet")
-    assert set(EXPORTED_METRICS) <= exported, set(EXPORTED_METRICS) - exported
-    kinds = {m.exposed_name: m.kind for m in getattr(server, "METRICS", ())}
-    if kinds:
-        assert {n for n in EXPORTED_METRICS if kinds[n] == "histogram"} == set(HISTOGRAMS)
+def served_series() -> tuple[set[str], set[str]]:
+    """(series names, label names) of a real ``/metrics`` page: the server's registry and logger
+    after one engine step that finished a request, exposed by prometheus_client."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from qwenserve.metrics.prometheus import PrometheusStatLogger, make_registry
+    from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
+
+    registry = make_registry()
+    logger = PrometheusStatLogger(registry, "qwen3", max_model_len=4096)
+    finished = FinishedRequestStats("stop", 1.5, 0.1, 0.2, 1.2, 12, 30, 64)
+    iteration = IterationStats(12, 30, 42, [0.2], [0.04] * 29, [finished])
+    logger.record(EngineStats(num_running=1, num_waiting=0, kv_cache_usage=0.25,
+                              prefix_cache_queries=12, prefix_cache_hits=4, num_preemptions=0,
+                              iteration=iteration))  # fmt: skip
+    text = generate_latest(registry).decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return {s.name for s in samples}, {k for s in samples for k in s.labels}
+
+
+def test_the_server_exposes_every_series_the_dashboard_and_alerts_query(tmp_path):
+    """Checked against what /metrics really prints, not against the table the names come from."""
+    names, labels = served_series()
+    files = {**run_deploy(tmp_path / "g", "grafana"), **run_deploy(tmp_path / "p", "prometheus")}
+    dashboard = json.loads(files["qwenserve-dashboard.json"].read_text())
+    rules = yaml.safe_load(files["qwenserve-alerts.yml"].read_text())["groups"][0]["rules"]
+    queries = dashboard_queries(dashboard) + [r["expr"] for r in rules]
+    used = {name for expr in queries for name in _METRIC.findall(expr)}
+    assert used and used <= names, used - names
+    grouped = {g.strip() for expr in queries for by in re.findall(r"by \(([^)]*)\)", expr)
+               for g in by.split(",")}  # fmt: skip
+    assert grouped - {"instance"} <= labels | {"le"}  # instance is added by the scrape
+    assert {"model_name", "engine", "finished_reason"} <= labels
 
 
 def test_prometheus_config_and_rules_pass_promtool(tmp_path):
@@ -101,8 +121,8 @@ def test_dashboard_queries_name_only_exported_metrics(dashboard):
 
 def test_dashboard_covers_what_operators_watch(dashboard):
     used = {name for expr in dashboard_queries(dashboard) for name in _METRIC.findall(expr)}
-    bases = {re.sub(r"_(bucket|sum|count)$", "", n) if re.sub(r"_(bucket|sum|count)$", "", n) in HISTOGRAMS
-             else n for n in used}  # fmt: skip
+    stripped = {n: re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
+    bases = {base if base in HISTOGRAMS else n for n, base in stripped.items()}
     watched = {"vllm:num_requests_running", "vllm:num_requests_waiting",
                "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
                "vllm:generation_tokens_total", "vllm:request_success_total",

@@ -192,3 +192,24 @@ def test_only_the_tail_of_a_huge_log_is_read(capsys, tmp_path):
 def test_malformed_rules_fail_loudly(entries, message):
     with pytest.raises(ValueError, match=message):
         parse_rules(entries)
+
+
+@pytest.mark.parametrize(("fragment", "rule_id"), [
+    ("You passed 5000 input tokens and requested 100 output tokens. However, the model's context "
+     "length is only 4096 tokens, resulting in a maximum input length of 3996 tokens.",
+     "qs-context-length-exceeded"),
+    ("hcclCommInitRootInfoConfig(numRanks, &rootInfo, rank, config, &(comm->hcclComm_)), error "
+     "code is 11", "hccl-init-failed"),
+    ("aclrtSetDevice failed, error code 507033", "invalid-device-id"),
+    ("RuntimeError: The server socket has failed to listen on any local network address. port: "
+     "29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+     "port-in-use"),
+    ("INFO No platform detected, vLLM is running on UnspecifiedPlatform", "torch-npu-missing"),
+    ("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser",
+     "tool-call-parser-missing"),
+    ("RuntimeError: Worker failed with error 'exitcode 9', please check the stack trace above",
+     "host-oom-killed"),
+])  # fmt: skip
+def test_variants_of_the_common_errors(fragment, rule_id):
+    """Other wordings of the research's error table (section 6) than the sample logs use."""
+    assert diagnose_text(fragment).rule.id == rule_id

@@ -12,6 +12,7 @@ from ops_helpers import (
     FakeAscendHost,
     build_ascend_host,
     by_id,
+    npu_smi_board,
     npu_smi_table,
     run_doctor,
 )
@@ -293,3 +294,22 @@ def test_multi_node_run_requires_hccl_if_ip(ascend_host, capsys):
 def test_platform_is_detected_from_the_ascend_root(ascend_host, capsys):
     _, report = run_doctor(capsys, "--ascend-root", str(ascend_host.root))
     assert report["platform"] == "ascend"
+
+
+def test_firmware_falls_back_to_npu_smi_board(ascend_host, capsys):
+    (ascend_host.root / "firmware" / "version.info").unlink()
+    _, report = doctor(capsys, ascend_host)
+    assert by_id(report)["firmware"]["status"] == "SKIP"  # the table has no board lines
+    ascend_host.set_npu_smi(npu_smi_table([Chip()] * 8), board=npu_smi_board("7.1.0.7.220"))
+    _, report = doctor(capsys, ascend_host)
+    check = by_id(report)["firmware"]
+    assert check["status"] == "PASS" and "7.1.0.7.220 (from npu-smi info -t board)" in check[
+        "reason"]  # fmt: skip
+
+
+def test_firmware_the_device_calls_incompatible_warns(ascend_host, capsys):
+    ascend_host.set_npu_smi(npu_smi_table([Chip()] * 8), board=npu_smi_board(compatibility="NOK"))
+    code, report = doctor(capsys, ascend_host)
+    check = by_id(report)["firmware"]
+    assert check["status"] == "WARN" and "Compatibility NOK" in check["reason"]
+    assert "HDK" in check["fix"] and code == 0

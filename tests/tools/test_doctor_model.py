@@ -16,6 +16,7 @@ from qwenserve.tools.doctor.safetensors_check import inspect_shard
 MODEL_CHECKS = (
     "model_permissions",
     "model_config",
+    "model_quantization",
     "model_weights",
     "model_shards",
     "model_tokenizer",
@@ -214,3 +215,30 @@ def test_broken_symlink_is_reported(model, capsys):
     (model / "model-00002-of-00002.safetensors").symlink_to(model / "blobs" / "gone")
     _, report = doctor_model(capsys, model)
     assert by_id(report)["model_permissions"]["status"] == "FAIL"
+
+
+_W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+             "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+             "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                   "symmetric": True, "dynamic": True}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("quantization_config", "status", "reason"), [
+    (_W8A8, "PASS", "compressed-tensors INT8 W8A8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "FAIL", "'awq', which qwenserve"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "FAIL", "'fp8', which qwenserve"),
+])  # fmt: skip
+def test_quantization_the_server_cannot_run_fails(
+    model, capsys, quantization_config, status, reason
+):
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(
+        json.dumps({**config, "quantization_config": quantization_config})
+    )
+    code, report = doctor_model(capsys, model)
+    check = by_id(report)["model_quantization"]
+    assert check["status"] == status and reason in check["reason"]
+    assert code == (1 if status == "FAIL" else 0)
+    if status == "FAIL":
+        assert "--quantization int8" in check["fix"]

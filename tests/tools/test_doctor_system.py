@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 @pytest.mark.parametrize(
     ("older", "newer"),
     [("8.3.RC2", "8.3.0"), ("8.2.RC1", "8.3.RC2"), ("8.5.0", "8.5.1"), ("24.1.rc3.3", "25.0.rc1.1"),
-     ("2.10.0", "2.10.0.post4"), ("2.7.1.dev20250724", "2.7.1"), ("3.9.18", "3.10"), ("9.0.1", "9.1.0")],
+     ("2.10.0", "2.10.0.post4"), ("2.7.1.dev20250724", "2.7.1"), ("3.9.18", "3.10"),
+     ("9.0.1", "9.1.0")],
 )  # fmt: skip
 def test_version_order(older, newer):
     assert compare(older, newer) == -1 and compare(newer, older) == 1

@@ -41,6 +41,7 @@ _DEVICES: tuple[CheckFn, ...] = (
 _MODEL: tuple[CheckFn, ...] = (
     checks_model.check_model_permissions,
     checks_model.check_model_config,
+    checks_model.check_model_quantization,
     checks_model.check_model_index,
     checks_model.check_model_shards,
     checks_model.check_model_tokenizer,

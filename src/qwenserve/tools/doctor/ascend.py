@@ -105,9 +105,20 @@ def npu_smi_path() -> str | None:
     return shutil.which("npu-smi", path=envs.get("PATH"))
 
 
-def run_npu_smi(executable: str, timeout_s: float = 30.0) -> str:
+def run_npu_smi(executable: str, timeout_s: float = 30.0, *args: str) -> str:
     """Raises OSError/SubprocessError (or CalledProcessError) for the caller to report."""
     done = subprocess.run(
-        [executable, "info"], capture_output=True, text=True, timeout=timeout_s, check=True
+        [executable, "info", *args], capture_output=True, text=True, timeout=timeout_s, check=True
     )
     return done.stdout
+
+
+def read_board(executable: str, npu_id: int = 0) -> dict[str, str]:
+    """``npu-smi info -t board -i N``: ``Key : Value`` lines such as ``Firmware Version :
+    7.1.0.7.220`` and ``Compatibility : OK`` (driver and firmware agree); {} when it fails."""
+    try:
+        text = run_npu_smi(executable, 30.0, "-t", "board", "-i", str(npu_id))
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {key.strip(): value.strip() for key, value in pairs if key.strip()}

@@ -46,14 +46,28 @@ def check_driver(ctx: DoctorContext) -> Check:
 
 
 def check_firmware(ctx: DoctorContext) -> Check:
+    """``firmware/version.info``, else ``npu-smi info -t board``; its ``Compatibility`` line is
+    the device's own verdict on the driver/firmware pair."""
     version = ascend.firmware_version(ctx.ascend_root)
+    source = f"{ctx.ascend_root}/firmware/version.info"
+    executable = ascend.npu_smi_path() if ctx.npu_smi is not None else None
+    board = ascend.read_board(executable) if executable else {}
+    if version is None and board.get("Firmware Version"):
+        version, source = board["Firmware Version"], "npu-smi info -t board"
     if version is None:
         return skip(
             "firmware",
-            f"{ctx.ascend_root}/firmware/version.info not found (containers rarely mount it); "
-            "on the host: npu-smi info -t board -i 0",
+            f"{ctx.ascend_root}/firmware/version.info not found (containers rarely mount it) and "
+            "npu-smi gave no board information; on the host: npu-smi info -t board -i 0",
         )
-    return passed("firmware", f"firmware {version}")
+    compatibility = board.get("Compatibility", "OK")
+    if compatibility.upper() != "OK":
+        return warn(
+            "firmware",
+            f"firmware {version}: npu-smi reports Compatibility {compatibility} with the driver",
+            "install the driver and firmware of one HDK release (the CANN release notes list it)",
+        )
+    return passed("firmware", f"firmware {version} (from {source})")
 
 
 def check_cann(ctx: DoctorContext) -> Check:

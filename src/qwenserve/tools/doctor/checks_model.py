@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from qwenserve.models.registry import SUPPORTED_ARCHITECTURES, is_supported
 from qwenserve.tools.doctor.context import DoctorContext
@@ -75,6 +76,41 @@ def check_model_config(ctx: DoctorContext) -> Check:
         )
     model_type = config.get("model_type", "?")
     return passed("model_config", f"{architectures[0]} (model_type {model_type})")
+
+
+def check_model_quantization(ctx: DoctorContext) -> Check:
+    """Whether serve can run the checkpoint's quantization, decided by the engine's own rules
+    (``quantization.schemes``: INT8 W8A8 only), before any weight is read."""
+    model_dir = ctx.model_dir
+    try:
+        raw = json.loads((model_dir / "config.json").read_text()) if model_dir else None
+    except (OSError, ValueError):
+        raw = None
+    if not isinstance(raw, dict):
+        return skip("model_quantization", "no readable config.json")
+    from qwenserve.quantization.schemes import detect
+
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    config = SimpleNamespace(
+        quantization_config=raw.get("quantization_config", text.get("quantization_config")),
+        _name_or_path=str(model_dir),
+        num_experts=text.get("num_experts", 0),
+    )
+    try:
+        method, _ = detect(config)
+    except (ValueError, OSError) as e:
+        return fail(
+            "model_quantization",
+            str(e),
+            "serve the float checkpoint with --quantization int8, an INT8 W8A8 export, or use "
+            "vLLM for this one (`qwenserve plan MODEL` shows the commands)",
+        )
+    found = {
+        None: "float weights (--quantization int8 quantizes them while loading)",
+        "compressed-tensors": "compressed-tensors INT8 W8A8",
+        "ascend": "ModelSlim W8A8",
+    }
+    return passed("model_quantization", found.get(method, str(method)))
 
 
 def check_model_index(ctx: DoctorContext) -> Check:

@@ -24,7 +24,8 @@ _DTYPE_BYTES = {
 
 @dataclasses.dataclass(frozen=True)
 class ShardReport:
-    """``error`` is None for a sound shard; ``tensor_names`` is empty when the header is unreadable."""
+    """``error`` is None for a sound shard; ``tensor_names`` is empty when the header is
+    unreadable."""
 
     path: Path
     size_bytes: int

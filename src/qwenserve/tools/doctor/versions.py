@@ -2,7 +2,8 @@
 
 PEP 440 parsing rejects half of these, so comparison uses a small key of its own: numbers compare as
 numbers, pre-release words (rc, alpha, beta, dev, T) sort before any number at the same place and
-``post`` sorts after, which puts ``8.3.RC2`` before ``8.3.0`` and ``2.10.0`` before ``2.10.0.post4``.
+``post`` sorts after, which puts ``8.3.RC2`` before ``8.3.0`` and ``2.10.0`` before
+``2.10.0.post4``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ sort_key = functools.cmp_to_key(compare)
 
 
 def base_version(text: str) -> str:
-    """``2.10.0.post4`` -> ``2.10.0``; ``2.13.0+cpu`` -> ``2.13.0``: the release torch_npu pairs on."""
+    """``2.10.0.post4`` -> ``2.10.0``; ``2.13.0+cpu`` -> ``2.13.0``: the release torch_npu
+    pairs on."""
     match = re.match(r"\d+(?:\.\d+){0,2}", text.strip())
     return match.group(0) if match else text.strip()
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 from typing import Any
 
+from qwenserve.core.cache.plan import accelerator_kv_budget
+from qwenserve.tools.plan.commands import CommandInputs, build_commands
 from qwenserve.tools.plan.compute import PlanInputs, RankPlan, plan_rank
 from qwenserve.tools.plan.devices import (
     DEVICES,
@@ -29,10 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device preset (default 910b-64g)")
     parser.add_argument("--device-memory", help="memory per device instead of a preset, "
                         "e.g. 48GiB")
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+    parser.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=None,
                         help="tensor-parallel size (default: the smallest that fits)")
     parser.add_argument("--dtype", default="auto",
-                        choices=("auto", "bfloat16", "float16", "float32"))
+                        choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
     parser.add_argument("--quantization", choices=[q for q in QUANT_WIDTHS if q])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_DTYPE_BYTES))
     parser.add_argument("--max-model-len", type=human_readable_int, default=None)
@@ -58,44 +59,70 @@ def run(args: argparse.Namespace) -> int:
 
 
 def make_report(args: argparse.Namespace) -> dict:
+    from qwenserve.models.model_config import resolve_max_model_len
     from qwenserve.tools.plan.model import load_config
+    from qwenserve.tools.plan.quant import checkpoint_quantization, qwenserve_problem
 
-    hf_config, architecture, name = load_config(args.model)
+    model = load_config(args.model)
+    hf_config = model.hf_config
     device = _device(args)
-    dtype = _dtype(args.dtype, device)
-    max_len = args.max_model_len or int(getattr(hf_config, "max_position_embeddings", 4096))
+    dtype = _dtype(args.dtype, model.ckpt_dtype, device)
+    max_len = resolve_max_model_len(args.max_model_len, hf_config)  # the engine's own checks
     block_size = args.block_size or (128 if device.kind == "npu" else 16)
+    checkpoint = checkpoint_quantization(hf_config, model.folder)
+    quant = args.quantization or checkpoint.width
 
     def inputs(tp: int) -> PlanInputs:
-        return PlanInputs(hf_config, architecture, dtype, tp, max_len, args.max_num_seqs,
-                          args.max_num_batched_tokens, block_size, args.quantization,
+        return PlanInputs(hf_config, model.architecture, dtype, tp, max_len, args.max_num_seqs,
+                          args.max_num_batched_tokens, block_size, quant,
                           KV_DTYPE_BYTES[args.kv_cache_dtype])
 
-    budget_for = _budget_function(args, device)
-    tps = [args.tp] if args.tp else [tp for tp in TP_CANDIDATES if _tp_ok(hf_config, tp)]
-    plans = [plan_rank(inputs(tp), budget_for) for tp in tps]
+    plans = _plans(args, hf_config, inputs, _budget_function(args, device))
     chosen = _choose(plans, args.target_concurrency, max_len)
     report = {
-        "model": name, "architecture": architecture, "device": device.name,
-        "device_memory_bytes": device.memory_bytes, "dtype": dtype,
-        "quantization": args.quantization, "max_model_len": max_len, "block_size": block_size,
-        "target_concurrency": args.target_concurrency,
+        "model": model.name, "architecture": model.architecture, "device": device.name,
+        "device_memory_bytes": device.memory_bytes, "dtype": dtype, "quantization": quant,
+        "quantization_from_checkpoint": checkpoint.from_checkpoint and not args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": max_len,
+        "model_max_model_len": int(getattr(hf_config, "max_position_embeddings", 0) or 4096),
+        "block_size": block_size, "target_concurrency": args.target_concurrency,
         "plans": [_plan_dict(p, max_len) for p in plans],
-        "fits": chosen is not None,
-        "chosen_tp": chosen.tp if chosen else None,
+        "fits": chosen is not None, "chosen_tp": chosen.tp if chosen else None, "notes": [],
     }
     if chosen is not None:
-        report["commands"] = _commands(args, chosen.tp, max_len, dtype, device)
+        problem = qwenserve_problem(hf_config, args.quantization, checkpoint)
+        commands = build_commands(CommandInputs(args, chosen.tp, max_len, dtype, device.kind,
+                                                quant, checkpoint, problem))
+        report["commands"] = {"qwenserve": commands.qwenserve, "vllm": commands.vllm}
+        report["notes"] = commands.notes
     else:
         report["explanation"] = _explain(plans, args, max_len)
     return report
 
 
+def _plans(args: argparse.Namespace, hf_config: Any, inputs: Any, budget_for: Any) -> list:
+    """One plan per TP size: ``--tp``, else every size whose model can be built (a size that
+    does not divide some dimension, e.g. DeltaNet heads or expert widths, is left out)."""
+    if args.tp:
+        return [plan_rank(inputs(args.tp), budget_for)]
+    plans, errors = [], []
+    for tp in (tp for tp in TP_CANDIDATES if _tp_ok(hf_config, tp)):
+        try:
+            plans.append(plan_rank(inputs(tp), budget_for))
+        except ValueError as e:
+            errors.append(e)
+    if not plans and errors:
+        raise errors[0]  # not a divisibility problem: the model itself cannot be built
+    return plans
+
+
 def _device(args: argparse.Namespace) -> DevicePreset:
     preset = DEVICES[args.device]
     if args.device_memory:
-        return DevicePreset(f"{preset.name} ({args.device_memory})",
-                            parse_memory(args.device_memory), preset.kind, preset.bf16)
+        memory = parse_memory(args.device_memory)
+        kind = "npu" if preset.kind == "cpu" else preset.kind
+        return DevicePreset(f"{args.device_memory} {kind} device ({memory / GIB:.2f} GiB)",
+                            memory, kind, preset.bf16)
     if preset.kind == "cpu":
         import psutil
 
@@ -103,14 +130,26 @@ def _device(args: argparse.Namespace) -> DevicePreset:
     return preset
 
 
-def _dtype(requested: str, device: DevicePreset) -> str:
-    if requested != "auto":
-        return requested
+class _PresetPlatform:
+    """What the engine's dtype rule asks of a platform, answered for a preset."""
+
+    def __init__(self, device: DevicePreset) -> None:
+        self.is_accelerator, self.bf16 = device.kind != "cpu", device.bf16
+
+    def supports_native_bf16(self) -> bool:
+        return self.bf16
+
+
+def _dtype(requested: str, ckpt_dtype: str, device: DevicePreset) -> str:
+    """``--dtype auto`` resolved as the engine resolves it (bfloat16 on accelerators unless the
+    checkpoint is float16; on CPU bfloat16 only where the CPU computes it natively)."""
+    from qwenserve.models.model_config import resolve_dtype
+
     if device.kind == "cpu":
         from qwenserve.platforms.cpu import CpuPlatform
 
-        return "bfloat16" if CpuPlatform().supports_native_bf16() else "float32"
-    return "bfloat16"
+        return resolve_dtype(requested, ckpt_dtype, CpuPlatform())
+    return resolve_dtype(requested, ckpt_dtype, _PresetPlatform(device))
 
 
 def _budget_function(args: argparse.Namespace, device: DevicePreset):
@@ -122,9 +161,9 @@ def _budget_function(args: argparse.Namespace, device: DevicePreset):
 
         fixed = CacheConfig(16, True, None, 0.9).cpu_budget_bytes()
         return lambda weights, activation: fixed
-    usable = int(device.memory_bytes * args.gpu_memory_utilization)
     overhead = RUNTIME_OVERHEAD_BYTES[device.kind]
-    return lambda weights, activation: usable - weights - activation - overhead
+    return lambda weights, activation: accelerator_kv_budget(
+        device.memory_bytes, args.gpu_memory_utilization, weights, activation, overhead)
 
 
 def _tp_ok(hf_config: Any, tp: int) -> bool:
@@ -151,28 +190,6 @@ def _plan_dict(p: RankPlan, max_len: int) -> dict:
                    kv_token_capacity=p.cache.token_capacity,
                    max_concurrency=round(p.cache.max_concurrency(max_len), 2))
     return out
-
-
-def _commands(args: argparse.Namespace, tp: int, max_len: int, dtype: str,
-              device: DevicePreset) -> dict:
-    flags = ["--tensor-parallel-size", str(tp), "--max-model-len", str(max_len),
-             "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
-    if args.kv_cache_memory_bytes is not None:
-        flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-    elif device.kind != "cpu":
-        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    ours, theirs = list(flags), list(flags)
-    if args.quantization:
-        ours += ["--quantization", args.quantization]
-        theirs += ["--quantization",
-                   "ascend" if device.kind == "npu" and args.quantization in ("w8a8", "int8")
-                   else "compressed-tensors" if args.quantization in ("w8a8", "int8")
-                   else args.quantization]
-    if args.kv_cache_dtype != "auto":
-        theirs += ["--kv-cache-dtype", args.kv_cache_dtype]
-    model = shlex.quote(args.model)
-    return {"qwenserve": f"qwenserve serve {model} " + shlex.join(ours),
-            "vllm": f"vllm serve {model} " + shlex.join(theirs)}
 
 
 def _explain(plans: list[RankPlan], args: argparse.Namespace, max_len: int) -> str:

@@ -7,7 +7,7 @@ memory, so the weight figure is the engine's own, not a formula that can drift f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qwenserve.core.cache.plan import (
@@ -53,11 +53,15 @@ class RankPlan:
 
 
 def cache_specs(inputs: PlanInputs) -> list[CacheSpec]:
+    """The engine's specs; ``--kv-cache-dtype`` narrows K/V only (DeltaNet's conv state stays
+    in the model dtype, its SSM state in float32)."""
     from qwenserve.models.registry import load_model_class
 
-    kv_bytes = inputs.kv_dtype_bytes or _DTYPE_BYTES[inputs.dtype]
-    return load_model_class(inputs.architecture).cache_specs(inputs.hf_config, inputs.tp,
-                                                             kv_bytes)
+    model_bytes = _DTYPE_BYTES[inputs.dtype]
+    specs = load_model_class(inputs.architecture).cache_specs(inputs.hf_config, inputs.tp,
+                                                              model_bytes)
+    kv_bytes = inputs.kv_dtype_bytes or model_bytes
+    return [replace(s, dtype_bytes=kv_bytes) if isinstance(s, PagedKVSpec) else s for s in specs]
 
 
 def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
@@ -77,12 +81,14 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
                        tp=ParallelGroup(rank=0, world_size=inputs.tp))
     with torch.device("meta"):
         model = load_model_class(inputs.architecture)(ctx)
-    # Linear and expert weight matrices take the quantized width; norms stay in the model
-    # dtype, and so do embeddings and lm_head except with load-time int8 (as the engine does).
+    # Linear weight matrices take the quantized width; norms and MoE routers stay in the model
+    # dtype. Load-time int8 is the engine's own: MoE experts stay float, the embedding and
+    # lm_head tables become int8. Checkpoint formats (w8a8, fp8, awq, gptq) quantize experts.
     quantizable = {id(m.weight) for m in model.modules()
                    if isinstance(m, LinearBase) and getattr(m, "weight", None) is not None}
-    quantizable |= {id(p) for n, p in model.named_parameters()
-                    if n.rsplit(".", 1)[-1] in ("w13", "w2")}
+    if inputs.quantization != "int8":
+        quantizable |= {id(p) for n, p in model.named_parameters()
+                        if n.rsplit(".", 1)[-1] in ("w13", "w2")}
     if inputs.quantization == "int8" and not envs.int8_float_vocab():
         quantizable |= {id(m.weight) for m in model.modules()
                         if isinstance(m, VocabParallelEmbedding)}

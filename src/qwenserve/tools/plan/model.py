@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 
-def load_config(model: str) -> tuple[Any, str, str]:
-    """Return (text config, architecture, display name); nothing is downloaded."""
+@dataclass(frozen=True)
+class PlannedModel:
+    hf_config: Any  # the text config, as the engine reads it
+    architecture: str
+    name: str  # as the user wrote it (goes into the commands)
+    ckpt_dtype: str  # the checkpoint's dtype, for --dtype auto
+    folder: str | None  # None for a GGUF file
+
+
+def load_config(model: str) -> PlannedModel:
+    """Read the config the engine would read; nothing is downloaded."""
     from qwenserve.models.model_config import read_hf_config
     from qwenserve.models.registry import resolve_architecture
 
     path = os.path.expanduser(model)
+    folder: str | None
     if os.path.isfile(path) and path.endswith(".gguf"):
         from qwenserve.models.gguf_loader import read_gguf_config
 
-        config, _ = read_gguf_config(path)
+        (config, _), ckpt_dtype, folder = read_gguf_config(path), "bfloat16", None
     else:
         if os.path.isfile(path) and os.path.basename(path) == "config.json":
             path = os.path.dirname(os.path.abspath(path))
         elif not os.path.isdir(path):
             path = _cached_hub_folder(model)
-        config, _, _ = read_hf_config(path)
-    return config, resolve_architecture(getattr(config, "architectures", None)), model
+        config, _, ckpt_dtype = read_hf_config(path)
+        folder = path
+    architecture = resolve_architecture(getattr(config, "architectures", None))
+    return PlannedModel(config, architecture, model, ckpt_dtype, folder)
 
 
 def _cached_hub_folder(repo_id: str) -> str:

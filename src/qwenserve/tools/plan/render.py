@@ -10,8 +10,13 @@ def _gib(n: int) -> str:
 
 
 def render(report: dict) -> str:
+    quant = report["quantization"]
+    if quant and report.get("quantization_from_checkpoint"):
+        quant += " (from the checkpoint)"
+    kv = report.get("kv_cache_dtype", "auto")
     lines = [f"Model {report['model']} ({report['architecture']}), {report['dtype']}"
-             + (f", {report['quantization']}" if report["quantization"] else "")
+             + (f", {quant} weights" if quant else "")
+             + (f", {kv} KV cache" if kv != "auto" else "")
              + f", on {report['device']}; max_model_len {report['max_model_len']:,}, "
              f"target concurrency {report['target_concurrency']}", ""]
     header = (f"{'TP':>3} {'weights/dev':>12} {'KV B/token':>11} {'state B/seq':>12} "
@@ -27,8 +32,9 @@ def render(report: dict) -> str:
             f"{p['largest_max_model_len']:>12,}")
     lines.append("")
     if report["fits"]:
-        lines += [f"Fits with --tensor-parallel-size {report['chosen_tp']}.", "",
-                  "  " + report["commands"]["qwenserve"], "  " + report["commands"]["vllm"]]
+        lines += [f"Fits with --tensor-parallel-size {report['chosen_tp']}.", ""]
+        lines += [f"  {cmd}" for cmd in report["commands"].values() if cmd]
+        lines += [f"  note: {note}" for note in report.get("notes", [])]
     else:
         lines.append(f"Does not fit: {report['explanation']}")
     return "\n".join(lines)

@@ -1,0 +1,280 @@
+"""`qwenserve plan` on the published shapes of Qwen2.5, Qwen3, Qwen3-MoE and Qwen3.5 (dense and
+MoE, nested ``text_config``): every figure is recomputed here from the shapes alone."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from plan_configs import PUBLISHED_PARAMS, text_config, write_model
+
+from qwenserve.entrypoints.cli import main
+from qwenserve.entrypoints.openai.cli_args import make_serve_parser
+from qwenserve.tools.plan.devices import DEVICES, RUNTIME_OVERHEAD_BYTES
+
+GIB, MIB = 1 << 30, 1 << 20
+ROTARY_TABLES_MAX = 8 * MIB  # cos/sin buffers: the only bytes that are not parameters
+
+
+def plan(capsys, path: str, *argv: str) -> tuple[int, dict]:
+    code = main(["plan", path, *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def by_tp(report: dict) -> dict[int, dict]:
+    return {p["tp"]: p for p in report["plans"]}
+
+
+def dense_shapes(name: str) -> dict:
+    c = text_config(name)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return dict(v=c["vocab_size"], h=c["hidden_size"], layers=c["num_hidden_layers"],
+                q=c["num_attention_heads"] * head_dim, kv=c["num_key_value_heads"] * head_dim,
+                inter=c["intermediate_size"], tied=c["tie_word_embeddings"])  # fmt: skip
+
+
+def dense_linear_params(s: dict) -> tuple[int, int]:
+    """(weight-matrix elements, output rows) of the attention and MLP projections."""
+    per_layer = s["h"] * (2 * s["q"] + 2 * s["kv"]) + 3 * s["h"] * s["inter"]
+    rows = s["q"] + 2 * s["kv"] + s["h"] + 2 * s["inter"] + s["h"]
+    return s["layers"] * per_layer, s["layers"] * rows
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_weights_are_the_published_parameter_count(tmp_path, capsys, name):
+    """bfloat16 weights = 2 bytes x the Hub's parameter count: tied embeddings counted once,
+    GQA projections, Qwen2's q/k/v biases, Qwen3's q/k norms and the 128 MoE experts."""
+    _, report = plan(capsys, write_model(tmp_path, name), "--tp", "1", "--max-model-len", "4096",
+                     "--device", "h200")  # fmt: skip
+    extra = by_tp(report)[1]["weight_bytes_per_device"] - 2 * PUBLISHED_PARAMS[name]
+    assert 0 <= extra <= ROTARY_TABLES_MAX
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-7B", "Qwen3-8B"])
+def test_quantized_widths_leave_embeddings_and_norms_alone(tmp_path, capsys, name):
+    path, s = write_model(tmp_path, name), dense_shapes(name)
+    linear, rows = dense_linear_params(s)
+
+    def weights(*flags: str) -> int:
+        _, report = plan(capsys, path, "--tp", "1", "--max-model-len", "4096", *flags)
+        return by_tp(report)[1]["weight_bytes_per_device"]
+
+    float_bytes = weights()
+    rest = float_bytes - 2 * linear  # embeddings, lm_head, norms, biases, rotary tables
+    assert rest >= s["v"] * s["h"] * (1 if s["tied"] else 2) * 2
+    scales = rows * 4  # one float32 scale per output channel
+    assert weights("--quantization", "w8a8") == linear + scales + rest
+    assert weights("--quantization", "fp8") == linear + scales + rest
+    group_bytes = int(linear * (0.5 + 2.5 / 128)) + scales + rest  # 4-bit + group scales/zeros
+    assert abs(weights("--quantization", "awq") - group_bytes) < s["layers"] * 8  # rounding
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Qwen2.5-7B",
+        "Qwen2.5-32B",
+        "Qwen2.5-72B",
+        "Qwen3-32B",
+        "Qwen3-30B-A3B",
+        "Qwen3.5-27B",
+        "Qwen3.5-35B-A3B",
+    ],
+)
+def test_kv_bytes_per_token_use_kv_heads_split_over_tp(tmp_path, capsys, name):
+    c = text_config(name)
+    full_layers = sum(t == "full_attention" for t in c.get("layer_types", [])) or \
+        c["num_hidden_layers"]  # fmt: skip
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    _, report = plan(capsys, write_model(tmp_path, name), "--max-model-len", "8192")
+    assert report["plans"], report
+    for tp, p in by_tp(report).items():
+        kv_heads = max(1, c["num_key_value_heads"] // tp)  # replicated when TP > KV heads
+        assert p["kv_bytes_per_token"] == 2 * full_layers * kv_heads * head_dim * 2, tp
+        assert c["num_attention_heads"] % tp == 0
+
+
+def test_qwen25_32b_kv_is_five_times_smaller_than_the_attention_head_formula(tmp_path, capsys):
+    _, report = plan(capsys, write_model(tmp_path, "Qwen2.5-32B"), "--tp", "1")
+    assert by_tp(report)[1]["kv_bytes_per_token"] * 5 == 2 * 64 * 40 * 128 * 2
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-27B", "Qwen3.5-35B-A3B"])
+def test_deltanet_state_per_sequence(tmp_path, capsys, name):
+    """Per DeltaNet layer and sequence: the causal-conv tail (kernel-1 rows of q|k|v channels,
+    model dtype) and the float32 SSM state (value heads x key dim x value dim)."""
+    c = text_config(name)
+    linear_layers = sum(t == "linear_attention" for t in c["layer_types"])
+    path = write_model(tmp_path, name)
+    _, report = plan(capsys, path, "--max-model-len", "32768", "--device", "h200")
+    _, fp8 = plan(capsys, path, "--max-model-len", "32768", "--device", "h200",
+                  "--kv-cache-dtype", "fp8")  # fmt: skip
+    for tp, p in by_tp(report).items():
+        conv = (
+            2 * c["linear_num_key_heads"] * c["linear_key_head_dim"]
+            + c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        ) // tp
+        ssm = c["linear_num_value_heads"] // tp * c["linear_key_head_dim"] \
+            * c["linear_value_head_dim"]  # fmt: skip
+        expected = linear_layers * ((c["linear_conv_kernel_dim"] - 1) * conv * 2 + ssm * 4)
+        assert p["state_bytes_per_sequence"] == expected, tp
+        # an fp8 KV cache halves K/V only; the recurrent state keeps its dtypes
+        assert by_tp(fp8)[tp]["state_bytes_per_sequence"] == expected
+        assert by_tp(fp8)[tp]["kv_bytes_per_token"] * 2 == p["kv_bytes_per_token"]
+        # a slot per --max-num-seqs sequence + the null slot, in at most half the budget
+        assert p["num_state_slots"] == min(257, p["kv_cache_budget_bytes"] // 2 // expected)
+    assert report["architecture"].endswith("ForConditionalGeneration")
+
+
+@pytest.mark.parametrize("device", sorted(set(DEVICES) - {"cpu"}))
+def test_capacity_concurrency_and_longest_length_on_every_preset(tmp_path, capsys, device):
+    code, report = plan(capsys, write_model(tmp_path, "Qwen3-8B"), "--device", device,
+                        "--tp", "1", "--max-model-len", "32768")  # fmt: skip
+    preset, p = DEVICES[device], by_tp(report)[1]
+    assert report["device_memory_bytes"] == preset.memory_bytes
+    block = 128 if preset.kind == "npu" else 16
+    assert report["block_size"] == block
+    budget = (
+        int(preset.memory_bytes * 0.9)
+        - p["weight_bytes_per_device"]
+        - p["activation_reserve_bytes"]
+        - RUNTIME_OVERHEAD_BYTES[preset.kind]
+    )
+    assert p["kv_cache_budget_bytes"] == budget
+    per_token = 2 * 36 * 8 * 128 * 2
+    capacity = budget // (block * per_token) * block
+    assert p["kv_token_capacity"] == p["largest_max_model_len"] == capacity
+    assert p["max_concurrency"] == round(capacity / 32768, 2)
+    assert (code == 0) == report["fits"] == (capacity >= 32768)
+
+
+def test_device_memory_overrides_the_preset(tmp_path, capsys):
+    path = write_model(tmp_path, "Qwen2.5-32B")
+    _, report = plan(capsys, path, "--device-memory", "48GiB", "--tp", "2")
+    assert report["device_memory_bytes"] == 48 * GIB and report["block_size"] == 128
+    p = by_tp(report)[2]
+    assert p["kv_cache_budget_bytes"] == (
+        int(48 * GIB * 0.9) - p["weight_bytes_per_device"] - p["activation_reserve_bytes"] - 2 * GIB
+    )
+    _, cuda = plan(capsys, path, "--device", "a100-80g", "--device-memory", "48GiB", "--tp", "2")
+    assert cuda["block_size"] == 16 and cuda["device_memory_bytes"] == 48 * GIB
+
+
+@pytest.mark.parametrize("target", [1, 8, 24])
+def test_the_smallest_tp_that_reaches_the_target_concurrency(tmp_path, capsys, target):
+    code, report = plan(capsys, write_model(tmp_path, "Qwen2.5-72B"), "--max-model-len", "32768",
+                        "--target-concurrency", str(target))  # fmt: skip
+    reaching = [tp for tp, p in by_tp(report).items() if p.get("max_concurrency", 0) >= target]
+    assert report["chosen_tp"] == min(reaching) and code == 0
+    assert f"--tensor-parallel-size {min(reaching)} " in report["commands"]["qwenserve"]
+    assert sorted(by_tp(report)) == [1, 2, 4, 8, 16]
+
+
+def test_no_tp_reaches_the_target_and_the_sentence_says_what_to_do(tmp_path, capsys):
+    code, report = plan(capsys, write_model(tmp_path, "Qwen2.5-72B"), "--max-model-len", "32768",
+                        "--target-concurrency", "1000")  # fmt: skip
+    assert code == 1 and not report["fits"] and "commands" not in report
+    explanation = report["explanation"]
+    assert explanation.count(".") <= 3 and "below the target 1000" in explanation
+
+
+def test_every_command_is_accepted_by_the_serve_parser(tmp_path, capsys):
+    path = write_model(tmp_path, "Qwen3-32B")
+    for flags in (["--device", "910b-64g"], ["--device", "h100-80g", "--quantization", "int8"],
+                  ["--device", "cpu", "--kv-cache-memory-bytes", "8G", "--max-model-len", "8k"],
+                  ["--device", "a100-80g", "--max-num-batched-tokens", "8192",
+                   "--block-size", "32", "--target-concurrency", "4"]):  # fmt: skip
+        _, report = plan(capsys, path, *flags)
+        argv = shlex.split(report["commands"]["qwenserve"])
+        ns = make_serve_parser().parse_args(argv[2:])
+        assert (ns.model_tag, ns.tensor_parallel_size) == (path, report["chosen_tp"])
+        assert ns.max_model_len == report["max_model_len"]
+        assert ns.block_size in (None, report["block_size"])
+        assert shlex.split(report["commands"]["vllm"] or "vllm serve x")[:2] == ["vllm", "serve"]
+
+
+def test_max_model_len_above_the_model_is_refused_as_serve_refuses_it(
+    tmp_path, capsys, monkeypatch
+):
+    path = write_model(tmp_path, "Qwen2.5-7B")
+    assert main(["plan", path, "--max-model-len", "65536"]) == 2
+    assert "larger than the model's maximum of 32768" in capsys.readouterr().out
+    monkeypatch.setenv("QWENSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    _, report = plan(capsys, path, "--max-model-len", "65536", "--tp", "1")
+    assert report["max_model_len"] == 65536 and report["model_max_model_len"] == 32768
+
+
+def test_tp_sizes_that_do_not_divide_the_heads_are_skipped_or_refused(tmp_path, capsys):
+    path = write_model(tmp_path, "Qwen2.5-7B")  # 28 attention heads, 4 KV heads
+    _, report = plan(capsys, path)
+    assert sorted(by_tp(report)) == [1, 2, 4]
+    assert main(["plan", path, "--tp", "8"]) == 2
+    assert "not divisible by --tensor-parallel-size 8" in capsys.readouterr().out
+
+
+_CT_W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True,
+                "dynamic": False}, "input_activations": {
+                "num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                "dynamic": True}}}}  # fmt: skip
+_AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize(("config", "width", "qwenserve_runs"), [
+    (_CT_W8A8, "w8a8", True), (_AWQ, "awq", False), (_FP8, "fp8", False)])  # fmt: skip
+def test_a_quantized_checkpoint_is_planned_at_its_own_width(
+    tmp_path, capsys, config, width, qwenserve_runs
+):
+    float_path = write_model(tmp_path, "Qwen2.5-7B")
+    quant_path = write_model(tmp_path / "q", "Qwen2.5-7B", quantization_config=config)
+    _, flagged = plan(capsys, float_path, "--tp", "1", "--device", "h100-80g",
+                      "--quantization", width)  # fmt: skip
+    _, report = plan(capsys, quant_path, "--tp", "1", "--device", "h100-80g")
+    assert report["quantization"] == width and report["quantization_from_checkpoint"]
+    assert report["plans"][0]["weight_bytes_per_device"] == \
+        flagged["plans"][0]["weight_bytes_per_device"]  # fmt: skip
+    assert "--quantization" not in (report["commands"]["vllm"] or "")  # vLLM reads the config
+    assert (report["commands"]["qwenserve"] is not None) == qwenserve_runs
+    if not qwenserve_runs:
+        assert any(n.startswith("no qwenserve command: The checkpoint is quantized with")
+                   for n in report["notes"])  # fmt: skip
+
+
+def test_a_modelslim_checkpoint_needs_quantization_ascend_on_vllm_ascend(tmp_path, capsys):
+    path = write_model(tmp_path, "Qwen2.5-7B")
+    description = {
+        "model_quant_type": "W8A8_DYNAMIC",
+        "model.embed_tokens.weight": "FLOAT",
+        "lm_head.weight": "FLOAT",
+    }
+    for layer in range(28):
+        for proj in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
+            description[f"model.layers.{layer}.{proj}.weight"] = "W8A8_DYNAMIC"
+    (tmp_path / "Qwen2.5-7B" / "quant_model_description.json").write_text(json.dumps(description))
+    _, report = plan(capsys, path, "--tp", "1")
+    assert report["quantization"] == "w8a8" and report["quantization_from_checkpoint"]
+    assert report["commands"]["vllm"].endswith("--quantization ascend")
+    assert "--quantization" not in report["commands"]["qwenserve"]  # detected at start-up
+
+
+def test_commands_never_promise_what_a_server_cannot_do(tmp_path, capsys):
+    path = write_model(tmp_path, "Qwen3-8B")
+    _, fp8_kv = plan(capsys, path, "--device", "h100-80g", "--kv-cache-dtype", "fp8")
+    assert fp8_kv["commands"]["qwenserve"] is None
+    assert fp8_kv["commands"]["vllm"].endswith("--kv-cache-dtype fp8")
+    _, int8 = plan(capsys, path, "--device", "910b-64g", "--quantization", "int8")
+    assert int8["commands"]["vllm"] is None
+    assert int8["commands"]["qwenserve"].endswith("--quantization int8")
+    _, awq = plan(capsys, path, "--device", "910b-64g", "--quantization", "awq")
+    assert awq["commands"] == {"qwenserve": None, "vllm": None} and len(awq["notes"]) == 3
