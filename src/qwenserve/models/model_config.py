@@ -63,8 +63,8 @@ def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
         source=source,
         architecture=registry.resolve_architecture(getattr(hf_config, "architectures", None)),
         hf_config=hf_config,
-        dtype=_resolve_dtype(args.dtype, ckpt_dtype, platform),
-        max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
+        dtype=resolve_dtype(args.dtype, ckpt_dtype, platform),
+        max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
         tokenizer=args.tokenizer or source.folder,
         eos_token_ids=eos_ids,
         generation_defaults=generation,
@@ -117,7 +117,7 @@ def _merge_ids(ids: tuple[int, ...], extra: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*ids, *(int(i) for i in extra_list)]))
 
 
-def _resolve_dtype(requested: str, ckpt_dtype: str, platform: Any) -> str:
+def resolve_dtype(requested: str, ckpt_dtype: str, platform: Any) -> str:
     requested = _DTYPE_ALIASES.get(requested, requested)
     if requested != "auto":
         if requested == "float16" and not platform.is_accelerator:
@@ -131,7 +131,7 @@ def _resolve_dtype(requested: str, ckpt_dtype: str, platform: Any) -> str:
     return "float32" if ckpt_dtype == "float32" else "bfloat16"
 
 
-def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     derived = getattr(hf_config, "max_position_embeddings", None) or 4096
     if requested is None:
         return int(derived)

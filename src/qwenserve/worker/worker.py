@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from qwenserve.config import EngineConfig
-from qwenserve.core.cache.plan import CachePlan, CacheTooSmallError, plan_cache
+from qwenserve.core.cache.plan import (
+    CachePlan,
+    CacheTooSmallError,
+    accelerator_kv_budget,
+    plan_cache,
+)
 from qwenserve.core.cache.spec import PagedKVSpec, RecurrentStateSpec
 from qwenserve.core.sched_output import (
     ModelOutput,
@@ -97,17 +102,20 @@ class Worker:
             return cache.kv_cache_memory_bytes
         from qwenserve.worker.profiler import profile_peak_bytes
 
-        free, total = self.platform.mem_get_info(self.device)
+        free, total = self.platform.mem_get_info(self.device)  # the weights are loaded
         peak = profile_peak_bytes(self)
-        used_by_others = max(0, total - free - self.weight_bytes())
-        budget = int(total * cache.gpu_memory_utilization) - used_by_others - peak
+        weights = self.weight_bytes()
+        used_by_others = max(0, total - free - weights)
+        budget = accelerator_kv_budget(total, cache.gpu_memory_utilization, weights, peak,
+                                       used_by_others)
         if budget <= 0:
             raise MemoryError(
                 f"No device memory left for the KV cache: {total / 2**30:.1f} GiB x "
-                f"{cache.gpu_memory_utilization} minus weights and activations "
-                f"({peak / 2**30:.1f} GiB) and other processes ({used_by_others / 2**30:.1f} GiB)"
-                " is negative. Raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
-                "or use more devices."
+                f"{cache.gpu_memory_utilization} minus weights ({weights / 2**30:.1f} GiB), "
+                f"activations ({peak / 2**30:.1f} GiB) and other processes "
+                f"({used_by_others / 2**30:.1f} GiB) is {budget / 2**30:.1f} GiB. Raise "
+                "--gpu-memory-utilization, lower --max-num-batched-tokens, quantize, or use more "
+                "devices (--tensor-parallel-size)."
             )
         return budget
 

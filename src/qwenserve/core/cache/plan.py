@@ -96,6 +96,15 @@ def state_bytes_per_seq(specs: list[CacheSpec]) -> int:
     return sum(s.bytes_per_seq for s in specs if isinstance(s, RecurrentStateSpec))
 
 
+def accelerator_kv_budget(total_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
+                          activation_bytes: int, other_bytes: int = 0) -> int:
+    """KV budget on a GPU/NPU, as vLLM sizes it: this process may use ``utilization x total``;
+    its weights, its peak activations and what other processes (and the runtime) already hold
+    come out of that, the KV cache gets the rest. May be <= 0 (nothing fits)."""
+    return (int(total_bytes * gpu_memory_utilization) - weight_bytes - activation_bytes
+            - other_bytes)
+
+
 def plan_cache(
     specs: list[CacheSpec],
     budget_bytes: int,
