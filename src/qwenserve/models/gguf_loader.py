@@ -135,7 +135,11 @@ def read_gguf_config(path: str) -> tuple[Any, tuple[int, ...]]:
         kwargs.update(num_experts=_field(reader, p + "expert_count"),
                       num_experts_per_tok=_field(reader, p + "expert_used_count"),
                       moe_intermediate_size=_field(reader, p + "expert_feed_forward_length"),
-                      norm_topk_prob=True)
+                      # llama.cpp renormalizes Qwen3-MoE's top-k unless the file says otherwise
+                      norm_topk_prob=bool(_field(reader, p + "expert_weights_norm", True)),
+                      # layers without stacked experts have a dense FFN
+                      mlp_only_layers=[i for i in range(kwargs["num_hidden_layers"])
+                                       if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names])
     config = getattr(transformers, config_cls)(**kwargs)
     eos = kwargs["eos_token_id"]
     return config, (() if eos is None else (int(eos),))
@@ -143,24 +147,43 @@ def read_gguf_config(path: str) -> tuple[Any, tuple[int, ...]]:
 
 def iter_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (Hugging Face tensor name, float32 array) for every tensor, one at a time."""
-    import gguf
-
     index = gguf_index(path)
     arch = _field(index, "general.architecture")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for t in index.tensors:
+        if experts := _EXPERTS.fullmatch(t["name"]):
+            yield from _expert_weights(experts, _dequantize(data, t))
+            continue
         name = _hf_name(t["name"])
         if name is None:
             logger.debug("skipping GGUF tensor %s", t["name"])
             continue
-        raw = data[t["offset"] : t["offset"] + t["nbytes"]].view(np.dtype(t["dtype"]))
-        array = gguf.quants.dequantize(raw.reshape(t["shape"]), gguf.GGMLQuantizationType(
-            t["type"])).astype(np.float32)
+        array = _dequantize(data, t)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = (hf_config.num_attention_heads if "q_proj" in name
                      else hf_config.num_key_value_heads)
             array = _unpermute_rotary(array, heads)
         yield name, array
+
+
+def _dequantize(data: np.ndarray, tensor: dict) -> np.ndarray:
+    import gguf
+
+    raw = data[tensor["offset"] : tensor["offset"] + tensor["nbytes"]].view(
+        np.dtype(tensor["dtype"]))
+    return gguf.quants.dequantize(raw.reshape(tensor["shape"]), gguf.GGMLQuantizationType(
+        tensor["type"])).astype(np.float32)
+
+
+# llama.cpp stacks the experts of a layer: ffn_{gate,up}_exps [E, I, H], ffn_down_exps [E, H, I]
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+
+
+def _expert_weights(match: re.Match, stacked: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """One HF per-expert tensor per row of a stacked GGUF expert tensor."""
+    layer, part = match.groups()
+    for expert, array in enumerate(stacked):
+        yield f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight", array
 
 
 def _hf_name(gguf_name: str) -> str | None:
