@@ -61,9 +61,8 @@ def test_free_releases_blocks_and_prefix_stats_count_tokens():
     assert cm.usage() == 0.0 and cm.stats.queries == 4 and cm.stats.hits == 2
 
 
-def test_state_slots_turn_prefix_caching_off():
-    cm = CacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True, num_state_slots=3)
-    assert not cm.enable_prefix_caching
+def test_state_slots_one_per_live_request():
+    cm = CacheManager(num_blocks=4, block_size=2, enable_prefix_caching=False, num_state_slots=3)
     a, b, c = (make_request(num_tokens=2) for _ in range(3))
     assert cm.allocate(a, 2) is not None and cm.allocate(b, 2) is not None
     assert cm.allocate(c, 2) is None  # slot 0 is the null slot: only 2 usable
@@ -71,3 +70,64 @@ def test_state_slots_turn_prefix_caching_off():
     cm.free(a)
     assert cm.allocate(c, 2) is not None and cm.state_slot(c.request_id) == cm.state_slots.get(
         c.request_id)
+
+
+def hybrid(num_state_slots: int = 4, num_blocks: int = 16) -> CacheManager:
+    return CacheManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=True,
+                        num_state_slots=num_state_slots)
+
+
+def run_prefill(cm: CacheManager, req, upto: int) -> tuple[int, int] | None:
+    """Allocate and 'compute' req up to ``upto`` tokens; returns the state save it triggers."""
+    cm.allocate(req, upto - req.num_computed_tokens)
+    req.num_computed_tokens = upto
+    cm.cache_full_blocks(req)
+    return cm.save_state(req, upto)
+
+
+def test_hybrid_prefix_hit_needs_a_state_checkpoint():
+    cm = hybrid()
+    first = make_request(prompt=list(range(14)))
+    assert cm.checkpoint_position(first) == 12  # last block boundary before the last token
+    live, saved = run_prefill(cm, first, 12)
+    assert live == cm.state_slot(first.request_id) and saved != live
+    run_prefill(cm, first, 14)
+    cm.free(first)
+    follow_up = make_request(prompt=list(range(14)) + [50, 51, 52])  # e.g. the next chat turn
+    hit = cm.lookup_prefix(follow_up)
+    assert len(hit) == 3  # 4 KV blocks would match up to 16, the state only up to 12
+    assert cm.checkpoint_slot(follow_up, len(hit)) == saved
+    assert cm.allocate(follow_up, 5, hit, keep_slot=saved) is not None
+    assert cm.state_slot(follow_up.request_id) != saved  # the checkpoint is copied, not taken
+    assert cm.restore_state(follow_up, saved) == (saved, cm.state_slot(follow_up.request_id))
+    other = make_request(prompt=list(range(8)) + [99] * 8)  # shares 2 blocks, no checkpoint
+    assert cm.lookup_prefix(other) == []
+
+
+def test_checkpoints_live_in_idle_slots_and_are_evicted_lru():
+    cm = hybrid(num_state_slots=4)  # 3 usable slots
+    reqs = [make_request(prompt=[i] * 9) for i in range(3)]
+    saves = []
+    for req in reqs:
+        saves.append(run_prefill(cm, req, 8))
+        cm.free(req)
+    # Three requests came and went, one at a time, each holding one slot while it ran: two idle
+    # slots were left for checkpoints, so the third save evicted the oldest checkpoint.
+    assert all(s is not None for s in saves)
+    hits = [cm.lookup_prefix(make_request(prompt=[i] * 10)) for i in range(3)]
+    assert [len(h) for h in hits] == [0, 2, 2]
+    assert cm.checkpoint_slot(make_request(prompt=[2] * 10), 2) == saves[2][1]
+    live = [make_request(num_tokens=2) for _ in range(3)]
+    for req in live:
+        assert cm.allocate(req, 2) is not None  # live requests evict checkpoints, never wait
+    assert all(cm.lookup_prefix(make_request(prompt=[i] * 10)) == [] for i in range(3))
+    assert cm.save_state(live[0], 4) is None  # no idle slot left for a checkpoint
+
+
+def test_reset_prefix_cache_drops_checkpoints():
+    cm = hybrid()
+    req = make_request(prompt=list(range(9)))
+    assert run_prefill(cm, req, 8) is not None
+    cm.free(req)
+    assert cm.reset_prefix_cache()
+    assert cm.lookup_prefix(make_request(prompt=list(range(9)))) == []

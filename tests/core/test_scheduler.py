@@ -163,3 +163,26 @@ def test_fcfs_blocked_head_blocks_the_queue():
     sched.add_request(small)
     out, _ = run_step(sched)
     assert [c.request_id for c in out.chunks] == [running.request_id]
+
+
+def test_hybrid_prefill_stops_at_its_checkpoint_and_a_follow_up_restores_it():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=64, num_state_slots=4)
+    first = make_request(prompt=list(range(14)), max_tokens=2)
+    sched.add_request(first)
+    out, _ = run_step(sched)
+    live = sched.cache.state_slot(first.request_id)
+    # the prefill stops at 12, the last block boundary before the last token, and saves there
+    assert [(c.start_pos, len(c.token_ids), c.sample) for c in out.chunks] == [(0, 12, False)]
+    ((src, checkpoint),) = out.state_saves
+    assert src == live and checkpoint != live and not out.state_restores
+    out, _ = run_step(sched)
+    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [(12, 2)]
+    assert not out.state_saves  # 14 is no block boundary
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    follow_up = make_request(prompt=list(range(14)) + [7, 50, 51, 52, 53], max_tokens=1)
+    sched.add_request(follow_up)
+    out, _ = run_step(sched)
+    assert out.state_restores == [(checkpoint, sched.cache.state_slot(follow_up.request_id))]
+    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [(12, 4)]  # to 16
+    assert follow_up.num_cached_tokens == 12

@@ -20,12 +20,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def greedy_tokens(path: str, tp: int) -> list[list[int]]:
+    """Greedy tokens of PROMPTS, then of the same prompts again (prefix-cache hits; on hybrid
+    models restored state checkpoints): both rounds must agree."""
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16,
               tensor_parallel_size=tp)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    rounds = [[o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], params)] for _ in range(2)]
+    assert llm.llm_engine.cache.stats.hits > 0
     llm.llm_engine.shutdown()
-    return [o.outputs[0].token_ids for o in outs]
+    assert rounds[0] == rounds[1]
+    return rounds[0]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5"])

@@ -21,6 +21,6 @@ def make_request(num_tokens: int = 10, max_tokens: int = 8, prompt: list[int] | 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
                    max_num_batched_tokens: int = 32, max_model_len: int = 256,
-                   enable_prefix_caching: bool = True) -> Scheduler:
-    cache = CacheManager(num_blocks, block_size, enable_prefix_caching)
+                   enable_prefix_caching: bool = True, num_state_slots: int = 0) -> Scheduler:
+    cache = CacheManager(num_blocks, block_size, enable_prefix_caching, num_state_slots)
     return Scheduler(SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len), cache)

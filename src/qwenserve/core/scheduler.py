@@ -95,6 +95,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
+        self._save_states(out)
         now = time.time()
         for chunk in out.chunks:
             req = self.requests[chunk.request_id]
@@ -106,7 +107,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk_len(req, req.num_computed_tokens,
+                                      min(req.num_tokens - req.num_computed_tokens, budget))
             new_blocks = self.cache.allocate(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # the most recently admitted, never one scheduled
@@ -128,9 +130,12 @@ class Scheduler:
             hit_blocks = ([] if req.sampling_params.prompt_logprobs is not None
                           else self.cache.lookup_prefix(req))
             num_hit = len(hit_blocks) * self.cache.block_size
-            num_new = min(req.num_tokens - num_hit, budget)
-            if self.cache.allocate(req, num_new, hit_blocks) is None:
+            checkpoint = self.cache.checkpoint_slot(req, len(hit_blocks))
+            num_new = self._chunk_len(req, num_hit, min(req.num_tokens - num_hit, budget))
+            if self.cache.allocate(req, num_new, hit_blocks, keep_slot=checkpoint) is None:
                 break  # FCFS: later requests wait behind this one
+            if checkpoint is not None:
+                out.state_restores.append(self.cache.restore_state(req, checkpoint))
             self.waiting.popleft()
             self.cache.record_prefix_query(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
@@ -148,6 +153,25 @@ class Scheduler:
             ))
             out.chunks.append(self._chunk(req, num_new, []))
             budget -= num_new
+
+    def _chunk_len(self, req: Request, start: int, num_new: int) -> int:
+        """Hybrid models with prefix caching stop a prefill once at the request's checkpoint
+        position, so that its recurrent state can be saved there (``_save_states``)."""
+        position = self.cache.checkpoint_position(req) if num_new > 1 else None
+        if position is not None and start < position < start + num_new:
+            return position - start
+        return num_new
+
+    def _save_states(self, out: SchedulerOutput) -> None:
+        """State checkpoints at the block boundaries where this step's prefill chunks end
+        (after every allocation of the step: no request of it may be handed a checkpoint's
+        slot). The workers copy them after the forward pass."""
+        for chunk in out.chunks:
+            if len(chunk.token_ids) > 1:
+                end = chunk.start_pos + len(chunk.token_ids)
+                copy = self.cache.save_state(self.requests[chunk.request_id], end)
+                if copy is not None:
+                    out.state_saves.append(copy)
 
     def _chunk(self, req: Request, num_new: int, new_blocks: list[int]) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -38,9 +38,6 @@ class LLMEngine:
         self.executor.init_cache(self.plan)
         self.cache = CacheManager(self.plan.num_blocks, config.cache.block_size,
                                   config.cache.enable_prefix_caching, self.plan.num_state_slots)
-        if config.cache.enable_prefix_caching and not self.cache.enable_prefix_caching:
-            logger.info("Prefix caching is off for %s: its recurrent (Gated DeltaNet) state "
-                        "cannot be rebuilt from cached KV blocks", mc.architecture)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
@@ -58,6 +55,9 @@ class LLMEngine:
                     mc.name, mc.architecture, self.executor.load_s, mc.dtype,
                     self.executor.weight_bytes() / 2**30, self.executor.describe_device())
         logger.info(self.plan.summary(sched.max_model_len))
+        if self.cache.enable_prefix_caching and self.plan.num_state_slots:
+            logger.info("Prefix caching on a hybrid model: recurrent-state checkpoints at block "
+                        "boundaries are kept in the state slots no running sequence holds")
         logger.info("Engine ready in %.1f s (max_model_len=%d, max_num_seqs=%d, "
                     "max_num_batched_tokens=%d, prefix caching %s)", self.startup_s,
                     sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,

@@ -85,7 +85,9 @@ class ModelRunner:
         # Single-token chunks (decodes) first: the attention backend batches them together.
         chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
         batch = self._prepare(chunks)
+        self._copy_states(sched.state_restores)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
+        self._copy_states(sched.state_saves)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
@@ -99,6 +101,18 @@ class ModelRunner:
             self.requests[chunk.request_id].output_token_ids.append(token.token_id)
             output.sampled[chunk.request_id] = token
         return output
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent-state slots (conv and SSM state of every DeltaNet layer) src -> dst;
+        the scheduler never lets a slot be both in one list."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.caches:
+            if isinstance(cache, tuple):  # (conv_state, ssm_state) [num_slots, ...] each
+                for state in cache:
+                    state.index_copy_(0, dst, state.index_select(0, src))
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         input_ids: list[int] = []
