@@ -131,3 +131,16 @@ def test_reset_prefix_cache_drops_checkpoints():
     cm.free(req)
     assert cm.reset_prefix_cache()
     assert cm.lookup_prefix(make_request(prompt=list(range(9)))) == []
+
+
+def test_one_step_never_saves_two_checkpoints_into_one_slot():
+    cm = hybrid(num_state_slots=4)  # 3 usable: two live below, one idle
+    a, b = make_request(prompt=[1] * 9), make_request(prompt=[2] * 9)
+    for req in (a, b):
+        cm.allocate(req, 8)
+        req.num_computed_tokens = 8
+        cm.cache_full_blocks(req)
+    first = cm.save_state(a, 8)
+    assert first is not None
+    assert cm.save_state(b, 8, taken={first[1]}) is None  # the only idle slot is taken
+    assert cm.checkpoint_slot(make_request(prompt=[1] * 9), 2) == first[1]

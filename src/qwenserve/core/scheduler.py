@@ -166,12 +166,14 @@ class Scheduler:
         """State checkpoints at the block boundaries where this step's prefill chunks end
         (after every allocation of the step: no request of it may be handed a checkpoint's
         slot). The workers copy them after the forward pass."""
+        taken: set[int] = set()
         for chunk in out.chunks:
             if len(chunk.token_ids) > 1:
                 end = chunk.start_pos + len(chunk.token_ids)
-                copy = self.cache.save_state(self.requests[chunk.request_id], end)
+                copy = self.cache.save_state(self.requests[chunk.request_id], end, taken)
                 if copy is not None:
                     out.state_saves.append(copy)
+                    taken.add(copy[1])
 
     def _chunk(self, req: Request, num_new: int, new_blocks: list[int]) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -93,16 +93,18 @@ class CacheManager:
             return None
         return position
 
-    def save_state(self, req: Request, num_tokens: int) -> tuple[int, int] | None:
+    def save_state(self, req: Request, num_tokens: int,
+                   taken: set[int] = frozenset()) -> tuple[int, int] | None:
         """(the request's slot, a checkpoint slot) when its state after ``num_tokens`` tokens (a
         block boundary) should be kept for prefix hits; None otherwise. Called once the step's
-        allocations are done, so no request of this step is handed the checkpoint slot."""
+        allocations are done, so no request of this step is handed the checkpoint slot;
+        ``taken``: checkpoint slots this step already saves into."""
         if (not self.enable_prefix_caching or self.state_slots is None
                 or num_tokens % self.block_size or not num_tokens):
             return None
         extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_tokens)
-        slot = self.state_slots.reserve_checkpoint(req.block_hashes[num_tokens // self.block_size
-                                                                    - 1])
+        block_hash = req.block_hashes[num_tokens // self.block_size - 1]
+        slot = self.state_slots.reserve_checkpoint(block_hash, exclude=taken)
         return None if slot is None else (self.state_slots.get(req.request_id), slot)
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:

@@ -66,13 +66,16 @@ class StateSlotManager:
         if slot in self.idle:
             self.idle.move_to_end(slot)
 
-    def reserve_checkpoint(self, block_hash: bytes) -> int | None:
+    def reserve_checkpoint(self, block_hash: bytes, exclude: set[int] = frozenset()) -> int | None:
         """An idle slot to copy a state into, registered under ``block_hash`` (the least recently
-        used idle slot, evicting its checkpoint). None when the hash is already saved or no slot
-        is idle. The copy must happen before the next step is scheduled."""
-        if block_hash in self.checkpoints or not self.idle:
+        used idle slot outside ``exclude``, evicting its checkpoint). None when the hash is
+        already saved or no slot is free for it. The copy must happen before the next step is
+        scheduled; ``exclude`` holds the slots this step already copies into."""
+        if block_hash in self.checkpoints:
             return None
-        slot = next(iter(self.idle))
+        slot = next((s for s in self.idle if s not in exclude), None)
+        if slot is None:
+            return None
         self._forget_checkpoint(slot)
         self.checkpoints[block_hash] = slot
         self.checkpoint_hash[slot] = block_hash
