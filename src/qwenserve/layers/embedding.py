@@ -34,6 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.weight_scale: nn.Parameter | None = None  # [V/tp, 1] float32 once int8
         self.int8_matmul = None
+        self.float_linear = F.linear  # the LM head's float GEMM (a platform may supply one)
 
     def use_int8(self, weight_q: torch.Tensor, scale: torch.Tensor, matmul) -> None:
         """Replace the float table by int8 rows [V/tp, H] and their scales [V/tp, 1]."""
@@ -72,7 +73,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, H] -> [num_tokens, V] float32 logits."""
         if self.weight_scale is None:
-            logits = F.linear(hidden, self.weight)
+            logits = self.float_linear(hidden, self.weight)
         else:
             from qwenserve.quantization.kernels import quantize_per_token
 

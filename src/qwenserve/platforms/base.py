@@ -7,6 +7,7 @@ This package is the only code that names ``torch.cuda``, ``torch.npu``, ``torch_
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -60,6 +61,11 @@ class Platform(ABC):
 
     def describe(self, device: torch.device) -> str:
         return str(device)
+
+    def float_linear(self) -> Callable[..., torch.Tensor] | None:
+        """A faster ``linear(x, weight, bias)`` for float weights than ``F.linear``, or None.
+        Contract: same results as ``F.linear`` up to fp32 summation order."""
+        return None
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,

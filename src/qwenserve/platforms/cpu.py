@@ -22,6 +22,23 @@ def _has_int_mm() -> bool:
         return False
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias through oneDNN (the kernel torch.compile's CPU backend calls)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.lru_cache(maxsize=1)
+def _has_onednn_linear() -> bool:
+    """Whether this torch build has oneDNN's linear and it agrees with F.linear here."""
+    try:
+        x, w, b = torch.randn(3, 2, 16), torch.randn(8, 16), torch.randn(8)
+        return bool(torch.allclose(_onednn_linear(x, w, b), torch.nn.functional.linear(x, w, b),
+                                   atol=1e-5))
+    except (RuntimeError, AttributeError):
+        return False
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset[str]:
     try:
@@ -72,6 +89,11 @@ class CpuPlatform(Platform):
         m_trim_threshold, m_mmap_threshold = -1, -3
         libc.mallopt(m_mmap_threshold, 1 << 30)
         libc.mallopt(m_trim_threshold, 1 << 31)
+
+    def float_linear(self):
+        # float32 GEMMs: torch's F.linear calls MKL, which on AMD CPUs runs 1.2-2.5x slower than
+        # oneDNN for the shapes a model runs (benchmarks.md); bf16 already goes to oneDNN.
+        return _onednn_linear if _has_onednn_linear() else None
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,

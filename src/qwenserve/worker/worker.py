@@ -24,6 +24,7 @@ from qwenserve.core.sched_output import (
 )
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.layers.attention import get_attention_backend
+from qwenserve.layers.linear import use_float_linear
 from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
 from qwenserve.models.loader import iter_weights
@@ -68,6 +69,8 @@ class Worker:
                                mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
                 ctx.quant.process_weights_after_loading(model)
+            if (linear := self.platform.float_linear()) is not None:
+                use_float_linear(model, linear)
         except torch.OutOfMemoryError as e:
             raise MemoryError(
                 f"Not enough device memory to load the weights of {mc.name} in {mc.dtype} on "
