@@ -92,17 +92,28 @@ def worker_hf(n: int, batch: int) -> dict:
 
 
 def worker_matmul() -> dict:
-    """fp32 GEMM rate: a large square matmul and the decode shapes at 64 rows."""
+    """fp32 GEMM rate, of the GEMM the engine runs (the CPU platform's oneDNN linear; F.linear,
+    i.e. MKL, for reference): a large square matmul and the decode shapes at 64 rows."""
+    import torch
+
+    from qwenserve.platforms.cpu import CpuPlatform
+
+    engine_linear = CpuPlatform().float_linear() or torch.nn.functional.linear
+    mkl = _gemm_rates(torch.nn.functional.linear)
+    return {**_gemm_rates(engine_linear), **{"mkl_" + k: v for k, v in mkl.items()}}
+
+
+def _gemm_rates(linear) -> dict:
     import torch
 
     def rate(m: int, k: int, n: int, reps: int = 20) -> float:
         a, b = torch.randn(m, k), torch.randn(n, k)
         for _ in range(3):
-            torch.nn.functional.linear(a, b)
+            linear(a, b)
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            torch.nn.functional.linear(a, b)
+            linear(a, b)
             times.append(time.perf_counter() - t)
         return 2 * m * k * n / statistics.median(times) / 1e9
 
@@ -231,8 +242,9 @@ def report(r: dict) -> str:
     m, d = r["matmul"], r["decode"]
     rows += [
         "",
-        f"fp32 GEMM: {m['gemm_2048_gflops']:.1f} GFLOP/s (2048^3), "
-        f"{m['decode_shapes_64_gflops']:.1f} GFLOP/s (decode shapes, 64 rows); batched decode "
+        f"fp32 GEMM (engine's): {m['gemm_2048_gflops']:.1f} GFLOP/s (2048^3), "
+        f"{m['decode_shapes_64_gflops']:.1f} GFLOP/s (decode shapes, 64 rows); F.linear/MKL: "
+        f"{m['mkl_gemm_2048_gflops']:.1f} / {m['mkl_decode_shapes_64_gflops']:.1f}; batched decode "
         f"(64 seqs): {d['tokens_per_s']:.1f} tok/s = {d['gflops']:.1f} GFLOP/s = "
         f"{100 * d['gflops'] / m['decode_shapes_64_gflops']:.0f}% of the decode-shape rate, "
         f"{100 * d['gflops'] / m['gemm_2048_gflops']:.0f}% of the 2048^3 rate",
