@@ -222,38 +222,47 @@ def main() -> None:
 
 
 def report(r: dict) -> str:
+    """Markdown for docs/benchmarks.md from whichever parts ran (``--only``)."""
     def tps(x):
         return x["output_tokens"] / x["seconds"]
 
-    ours, single, static = tps(r["qwenserve"]), tps(r["hf_single"]), tps(r["hf_static"])
-    rows = [
-        "| system | useful output tok/s | vs HF one-at-a-time | vs HF static batches | peak RSS |",
-        "|---|---|---|---|---|",
-        f"| qwenserve ({r['qwenserve']['requests']} requests at once) | {ours:.1f} | "
-        f"{ours / single:.1f}x | "
-        f"{ours / static:.1f}x | {r['qwenserve']['peak_rss_mib']:.0f} MiB |",
-        f"| HF generate, one at a time ({r['hf_single']['requests']} requests) | {single:.1f} | "
-        f"1.0x | | {r['hf_single']['peak_rss_mib']:.0f} MiB |",
-        f"| HF generate, static batches of 8 ({r['hf_static']['requests']} requests) | "
-        f"{static:.1f} | | 1.0x | {r['hf_static']['peak_rss_mib']:.0f} MiB |",
-    ]
-    if "matmul" not in r:
-        return "\n".join(rows)
-    m, d = r["matmul"], r["decode"]
-    rows += [
-        "",
-        f"fp32 GEMM (engine's): {m['gemm_2048_gflops']:.1f} GFLOP/s (2048^3), "
-        f"{m['decode_shapes_64_gflops']:.1f} GFLOP/s (decode shapes, 64 rows); F.linear/MKL: "
-        f"{m['mkl_gemm_2048_gflops']:.1f} / {m['mkl_decode_shapes_64_gflops']:.1f}; batched decode "
-        f"(64 seqs): {d['tokens_per_s']:.1f} tok/s = {d['gflops']:.1f} GFLOP/s = "
-        f"{100 * d['gflops'] / m['decode_shapes_64_gflops']:.0f}% of the decode-shape rate, "
-        f"{100 * d['gflops'] / m['gemm_2048_gflops']:.0f}% of the 2048^3 rate",
-        f"start-up to ready: {r['startup']['seconds_to_ready']:.1f} s (engine "
-        f"{r['startup']['engine_startup_s']:.1f} s)",
-        f"TTFT with a cached 1,024-token prefix: {r['prefix']['cached_s'] * 1000:.0f} ms vs "
-        f"{r['prefix']['uncached_s'] * 1000:.0f} ms uncached "
-        f"({r['prefix']['uncached_s'] / r['prefix']['cached_s']:.1f}x)",
-    ]
+    rows = []
+    if {"qwenserve", "hf_single", "hf_static"} <= r.keys():
+        ours, single, static = tps(r["qwenserve"]), tps(r["hf_single"]), tps(r["hf_static"])
+        rows += [
+            "| system | useful output tok/s | vs HF one-at-a-time | vs HF static batches "
+            "| peak RSS |",
+            "|---|---|---|---|---|",
+            f"| qwenserve ({r['qwenserve']['requests']} requests at once) | {ours:.1f} | "
+            f"{ours / single:.1f}x | {ours / static:.1f}x | "
+            f"{r['qwenserve']['peak_rss_mib']:.0f} MiB |",
+            f"| HF generate, one at a time ({r['hf_single']['requests']} requests) | "
+            f"{single:.1f} | 1.0x | | {r['hf_single']['peak_rss_mib']:.0f} MiB |",
+            f"| HF generate, static batches of 8 ({r['hf_static']['requests']} requests) | "
+            f"{static:.1f} | | 1.0x | {r['hf_static']['peak_rss_mib']:.0f} MiB |",
+            "",
+        ]
+    elif "qwenserve" in r:
+        rows.append(f"qwenserve: {tps(r['qwenserve']):.1f} useful output tok/s, peak RSS "
+                    f"{r['qwenserve']['peak_rss_mib']:.0f} MiB")
+    if {"matmul", "decode"} <= r.keys():
+        m, d = r["matmul"], r["decode"]
+        rows.append(
+            f"fp32 GEMM (engine's): {m['gemm_2048_gflops']:.1f} GFLOP/s (2048^3), "
+            f"{m['decode_shapes_64_gflops']:.1f} GFLOP/s (decode shapes, 64 rows); "
+            f"F.linear/MKL: {m['mkl_gemm_2048_gflops']:.1f} / "
+            f"{m['mkl_decode_shapes_64_gflops']:.1f}; batched decode (64 seqs): "
+            f"{d['tokens_per_s']:.1f} tok/s = {d['gflops']:.1f} GFLOP/s = "
+            f"{100 * d['gflops'] / m['decode_shapes_64_gflops']:.0f}% of the decode-shape rate, "
+            f"{100 * d['gflops'] / m['gemm_2048_gflops']:.0f}% of the 2048^3 rate")
+    if "startup" in r:
+        rows.append(f"start-up to ready: {r['startup']['seconds_to_ready']:.1f} s (engine "
+                    f"{r['startup']['engine_startup_s']:.1f} s)")
+    if "prefix" in r:
+        p = r["prefix"]
+        rows.append(f"TTFT with a cached 1,024-token prefix: {p['cached_s'] * 1000:.0f} ms vs "
+                    f"{p['uncached_s'] * 1000:.0f} ms uncached "
+                    f"({p['uncached_s'] / p['cached_s']:.1f}x)")
     return "\n".join(rows)
 
 

@@ -147,9 +147,9 @@ class Worker:
         for spec in self.specs:
             if isinstance(spec, PagedKVSpec):
                 for layer_id in spec.layer_ids:
-                    # Left uninitialised (zeroing GiBs costs seconds at start-up): every slot
-                    # is written before it is read, except that padding reads slot 0, so block 0
-                    # is zeroed to keep NaN bit patterns out of masked positions.
+                    # Left uninitialised (zeroing GiBs costs seconds at start-up): attention
+                    # reads only written slots, block 0 (zeroed: padding reads it) and the tail
+                    # of a context's last block, which the backend zeroes after its gather.
                     kv = torch.empty(2, num_slots, spec.num_kv_heads, spec.head_dim,
                                      dtype=self.dtype, device=self.device)  # [K|V, slots, Hkv, D]
                     kv[:, : plan.block_size].zero_()

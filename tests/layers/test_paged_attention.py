@@ -1,0 +1,63 @@
+"""The CPU paged-attention backend against dense causal attention computed per request.
+
+The cache starts as the worker leaves it (uninitialised, here NaN everywhere but block 0), so a
+gather that lets never-written slots into the softmax shows up as NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwenserve.layers.attention import ChunkLayout, get_attention_backend
+from qwenserve.layers.attention.base import slot_ids
+
+BLOCK, HQ, HKV, D, NUM_BLOCKS = 4, 6, 2, 8, 32
+
+
+def dense_reference(q, k_all, v_all, start_pos, scale):
+    """q [L, Hq, D] at positions start_pos.., k/v [S, Hkv, D]: causal attention in float64."""
+    group = HQ // HKV
+    k = k_all.double().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, S, D]
+    v = v_all.double().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, L, S]
+    pos = torch.arange(q.shape[0])[:, None] + start_pos
+    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > pos, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+# (start_pos, q_len): decodes first (context ends mid-block, on a block edge, one token),
+# then a fresh prefill and a chunk after cached tokens.
+REQUESTS = [(6, 1), (7, 1), (0, 1), (13, 1), (0, 9), (5, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decodes_and_prefills_match_dense_attention(dtype):
+    torch.manual_seed(0)
+    cache = torch.full((2, NUM_BLOCKS * BLOCK, HKV, D), float("nan"), dtype=dtype)
+    cache[:, :BLOCK].zero_()
+    free = torch.randperm(NUM_BLOCKS - 1)[: 40].add(1).tolist()
+    chunks, qs, ks, vs, histories, q_start = [], [], [], [], [], 0
+    for start, q_len in REQUESTS:
+        ctx = start + q_len
+        blocks = [free.pop() for _ in range(-(-ctx // BLOCK))]
+        k_all, v_all = (torch.randn(ctx, HKV, D).to(dtype) for _ in range(2))
+        earlier = torch.tensor(slot_ids(blocks, 0, start, BLOCK), dtype=torch.long)
+        cache[0, earlier], cache[1, earlier] = k_all[:start], v_all[:start]  # earlier steps
+        chunks.append(ChunkLayout(q_start, q_len, start, blocks))
+        qs.append(torch.randn(q_len, HQ, D).to(dtype))
+        ks.append(k_all[start:])
+        vs.append(v_all[start:])
+        histories.append((k_all, v_all))
+        q_start += q_len
+
+    backend = get_attention_backend("torch_ref")
+    meta = backend.build_metadata(chunks, BLOCK, torch.device("cpu"))
+    scale = D**-0.5
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, scale)
+
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for c, q, (k_all, v_all) in zip(chunks, qs, histories):
+        got = out[c.q_start : c.q_start + c.q_len].double()
+        torch.testing.assert_close(got, dense_reference(q, k_all, v_all, c.start_pos, scale),
+                                   atol=tol, rtol=tol)
