@@ -82,7 +82,7 @@ def test_counts_agree_with_server_metrics(tiny_server, run_cli, tmp_path: Path, 
         "bench", "serve", "--base-url", base_url, "--model", SERVED, "--backend", backend,
         "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", "24",
         "--random-output-len", "8", "--num-prompts", "6", "--warmup-requests", "2",
-        "--max-concurrency", "4", "--disable-tqdm", "--save-result",
+        "--max-concurrency", "4", "--disable-tqdm", "--save-result", "--save-detailed",
         "--result-filename", str(tmp_path / "r.json"),
     ])  # fmt: skip
     assert code == 0, err

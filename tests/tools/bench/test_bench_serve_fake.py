@@ -36,7 +36,7 @@ def test_completions_figures_and_saved_json(fake_server, run_cli, tmp_path: Path
     state = fake_server.state
     seen_before, success_before = len(state.requests), state.success
     code, out, err = run_cli(bench(
-        fake_server, *RANDOM, "--num-prompts", "8", "--warmup-requests", "2", "--save-result",
+        fake_server, *RANDOM, "--num-prompts", "8", "--warmup-requests", "2", "--save-result", "--save-detailed",
         "--result-dir", str(tmp_path), "--result-filename", "r.json",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--goodput", "ttft:1000", "e2el:5000",
@@ -68,12 +68,27 @@ def test_completions_figures_and_saved_json(fake_server, run_cli, tmp_path: Path
     assert all("warmup" in i for i in ids[:2]) and not any("warmup" in i for i in ids[2:])
 
 
+def test_saved_json_leaves_out_per_request_lists_without_save_detailed(
+        fake_server, run_cli, tmp_path: Path) -> None:  # noqa: ANN001
+    code, _, err = run_cli(bench(
+        fake_server, *RANDOM, "--num-prompts", "3", "--warmup-requests", "0", "--save-result",
+        "--result-filename", str(tmp_path / "plain.json"), "--report", str(tmp_path / "r.md"),
+    ))  # fmt: skip
+    assert code == 0, err
+    r = load(tmp_path / "plain.json")
+    dropped = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts",
+               "errors")  # fmt: skip
+    assert [k for k in dropped if k in r] == []
+    assert r["completed"] == 3 and len(r["latencies"]) == 3 and r["mean_ttft_ms"] > 0
+    assert "TTFT" in (tmp_path / "r.md").read_text()  # the report still sees every request
+
+
 def test_chat_backend(make_fake_server, run_cli, tmp_path: Path) -> None:  # noqa: ANN001
     server = make_fake_server(chat_template_tokens=5)
     before = scrape(server.base_url)
     code, _, err = run_cli(bench(
         server, "--backend", "openai-chat", *RANDOM, "--num-prompts", "4",
-        "--warmup-requests", "0", "--save-result", "--result-dir", str(tmp_path),
+        "--warmup-requests", "0", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
     ))  # fmt: skip
     assert code == 0, err
     (saved,) = tmp_path.glob("openai-chat-infqps-fake-model-*.json")  # vLLM's default name
@@ -101,7 +116,7 @@ def test_failures_are_counted_not_fatal(fake_server, run_cli, tmp_path: Path) ->
     path.write_text(json.dumps(convs))
     code, out, err = run_cli(bench(
         fake_server, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts",
-        "5", "--warmup-requests", "0", "--no-oversample", "--save-result", "--result-filename",
+        "5", "--warmup-requests", "0", "--no-oversample", "--save-result", "--save-detailed", "--result-filename",
         str(tmp_path / "f.json"),
     ))  # fmt: skip
     assert code == 0, err
@@ -126,7 +141,7 @@ def test_counts_with_tokenizer_when_server_sends_no_usage(
             "3",
             "--warmup-requests",
             "0",
-            "--save-result",
+            "--save-result", "--save-detailed",
             "--result-filename",
             str(tmp_path / "t.json"),
         )
@@ -148,7 +163,7 @@ def test_api_key_flag_and_env(make_fake_server, run_cli, monkeypatch) -> None:  
 def test_request_rate_and_concurrency_cap(fake_server, run_cli, tmp_path: Path) -> None:  # noqa: ANN001
     code, _, err = run_cli(bench(
         fake_server, *RANDOM, "--num-prompts", "6", "--warmup-requests", "0", "--request-rate",
-        "20", "--burstiness", "inf", "--save-result", "--result-filename", str(tmp_path / "a.json"),
+        "20", "--burstiness", "inf", "--save-result", "--save-detailed", "--result-filename", str(tmp_path / "a.json"),
     ))  # fmt: skip
     assert code == 0, err
     assert "mean_client_queue_time_ms" not in load(tmp_path / "a.json")  # no cap, no queue
@@ -157,7 +172,7 @@ def test_request_rate_and_concurrency_cap(fake_server, run_cli, tmp_path: Path) 
     assert starts[0] == pytest.approx(0.05, abs=0.03) and all(0.03 < g < 0.09 for g in gaps)
     code, out, err = run_cli(bench(
         fake_server, *RANDOM, "--num-prompts", "6", "--warmup-requests", "0", "--max-concurrency",
-        "2", "--request-rate", "1000", "--save-result", "--result-filename",
+        "2", "--request-rate", "1000", "--save-result", "--save-detailed", "--result-filename",
         str(tmp_path / "c.json"), "--percentile-metrics",
         "e2el,client_queue_time,e2el_including_client_queue",
     ))  # fmt: skip
@@ -205,7 +220,7 @@ def test_counts_agree_with_the_servers_counters(fake_server, run_cli, tmp_path: 
             "5",
             "--warmup-requests",
             "3",
-            "--save-result",
+            "--save-result", "--save-detailed",
             "--result-filename",
             str(tmp_path / "m.json"),
         )
@@ -243,7 +258,7 @@ def test_prefix_repetition_keeps_num_prompts(fake_server, run_cli, tmp_path: Pat
         fake_server, "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "6",
         "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "3",
         "--prefix-repetition-output-len", "2", "--num-prompts", "10", "--warmup-requests", "0",
-        "--save-result", "--result-filename", str(tmp_path / "p.json"),
+        "--save-result", "--save-detailed", "--result-filename", str(tmp_path / "p.json"),
     ))  # fmt: skip
     assert code == 0, err
     r = load(tmp_path / "p.json")

@@ -63,7 +63,7 @@ def test_concurrency_sweep_png_report_and_jsons(fake_server, run_cli, tmp_path: 
         "bench", "serve", "--base-url", fake_server.base_url, "--model", "fake-model",
         "--disable-tqdm", "--dataset-name", "random", "--random-input-len", "8",
         "--random-output-len", "4", "--num-prompts", "6", "--warmup-requests", "1",
-        "--sweep", "max-concurrency=1,2,6", "--plot", "--report", "--save-result",
+        "--sweep", "max-concurrency=1,2,6", "--plot", "--report", "--save-result", "--save-detailed",
         "--result-dir", str(tmp_path), "--result-filename", "sw.json",
     ])  # fmt: skip
     assert code == 0, err

@@ -218,6 +218,19 @@ def result_filename(
     return f"{label or backend}-{float(rate)}qps{concurrency}-{base_model}-{stamp}.json"
 
 
+# What vLLM leaves out of the saved JSON unless ``--save-detailed`` is given.
+DETAILED_KEYS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts",
+                 "errors")  # fmt: skip
+
+
+def saved_form(result: dict[str, Any], detailed: bool) -> dict[str, Any]:
+    """The result as ``--save-result`` writes it: without the per-request lists of
+    ``DETAILED_KEYS`` unless ``--save-detailed`` (vLLM's behaviour)."""
+    if detailed:
+        return result
+    return {k: v for k, v in result.items() if k not in DETAILED_KEYS}
+
+
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path``, creating its folder; JSON has no inf, so inf becomes "inf"."""
     folder = os.path.dirname(path)

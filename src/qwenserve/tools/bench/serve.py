@@ -40,6 +40,7 @@ from qwenserve.tools.bench.results import (
     count_output_tokens,
     format_console,
     result_filename,
+    saved_form,
     write_json,
 )
 from qwenserve.tools.bench.runner import LoadSpec, Target, run_load
@@ -258,7 +259,7 @@ def run_single(args: argparse.Namespace, session: Session) -> int:
     )  # fmt: skip
     base = output_path(args, os.path.splitext(json_name)[0])
     if args.save_result:
-        write_json(output_path(args, json_name), result)
+        write_json(output_path(args, json_name), saved_form(result, args.save_detailed))
         print(f"Result saved to {output_path(args, json_name)}")
     plot_path = None
     if args.plot is not None:

@@ -199,7 +199,8 @@ def _add_output(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--save-detailed",
         action="store_true",
-        help="accepted for vLLM compatibility; per-request lists are always saved",
+        help="also save the per-request lists (input_lens, output_lens, start_times, ttfts, "
+        "itls, generated_texts, errors), as in vLLM",
     )
     g.add_argument("--result-dir", default=None, help="folder for JSON, PNG and Markdown files")
     g.add_argument("--result-filename", default=None, help="name of the result JSON")

@@ -29,7 +29,7 @@ import httpx
 
 from qwenserve.tools.bench.datasets import SampleRequest, build_workload
 from qwenserve.tools.bench.errors import BenchError
-from qwenserve.tools.bench.results import write_json
+from qwenserve.tools.bench.results import saved_form, write_json
 from qwenserve.tools.bench.runner import LoadSpec
 from qwenserve.tools.bench.serve import Session, measure, output_path, write_text
 
@@ -151,7 +151,7 @@ def run_points(
         result["sweep_prefix_cache"] = _cache_note(session, index, reset)
         if args.save_result:
             name = f"{stem}-{sweep.kind}{format_value(value)}.json"
-            write_json(output_path(args, name), result)
+            write_json(output_path(args, name), saved_form(result, args.save_detailed))
         points.append(summarize_point(result, sweep.kind, value))
     return points
 
