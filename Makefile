@@ -30,4 +30,4 @@ test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint:
-	$(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
+	$(BIN)/pip install -q ruff && $(BIN)/ruff check src tests benchmarks
