@@ -73,6 +73,25 @@ def _worker_main(config: EngineConfig, rank: int, local_rank: int, rdzv: Rendezv
         if sched == _SHUTDOWN:
             break
         worker.execute(sched)
+    _leave_group(tp)
+
+
+def _leave_group(tp: Any, meet: bool = True) -> None:
+    """Every rank meets once more, then destroys its process group: a rank that tears down
+    gloo while a peer is still using the connection can abort at exit ("terminate called
+    without an active exception"). A peer that is gone makes the barrier time out, not hang."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if meet:
+        try:
+            dist.monitored_barrier(group=tp.cpu_group, timeout=datetime.timedelta(seconds=10))
+        except Exception:  # a peer died or already left
+            pass
+    dist.destroy_process_group()
 
 
 def _agree_on_plan(worker: Worker, tp: Any) -> CachePlan:
@@ -197,14 +216,12 @@ class MultiprocExecutor:
             return
         self._closing = True
         if self.is_driver_node:
-            import torch.distributed as dist
-
             try:
                 self.tp.broadcast_object(_SHUTDOWN)
+                peers_alive = True
             except Exception:  # workers already gone
-                pass
-            if dist.is_initialized():
-                dist.destroy_process_group()
+                peers_alive = False
+            _leave_group(self.tp, meet=peers_alive)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=10)
