@@ -29,14 +29,14 @@ import httpx
 
 from qwenserve.tools.bench.datasets import SampleRequest, build_workload
 from qwenserve.tools.bench.errors import BenchError
-from qwenserve.tools.bench.results import saved_form, write_json
+from qwenserve.tools.bench.results import DETAILED_KEYS, saved_form, write_json
 from qwenserve.tools.bench.runner import LoadSpec
 from qwenserve.tools.bench.serve import Session, measure, output_path, write_text
 
 KINDS = {"request-rate": "request_rate", "rate": "request_rate", "qps": "request_rate",
          "max-concurrency": "max_concurrency", "concurrency": "max_concurrency"}  # fmt: skip
-PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
-                    "queue_times", "generated_texts", "errors")  # fmt: skip
+# A sweep point's summary drops every per-request list, the detailed ones and the rest.
+PER_REQUEST_KEYS = (*DETAILED_KEYS, "latencies", "queue_times")
 
 
 @dataclass(frozen=True)
