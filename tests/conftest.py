@@ -26,7 +26,14 @@ def tiny_model(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip device tests when the device is absent."""
+    """Skip device tests when the device is absent, and benchmark-sized runs (soak, sweeps)
+    unless ``QWENSERVE_RUN_BENCHMARKS=1``: CI runs their smaller versions."""
+    if os.environ.get("QWENSERVE_RUN_BENCHMARKS") != "1":
+        skip_bench = pytest.mark.skip(reason="benchmark-sized; set QWENSERVE_RUN_BENCHMARKS=1")
+        for item in items:
+            if item.get_closest_marker("benchmark") is not None:
+                item.add_marker(skip_bench)
+
     def available(name: str) -> bool:
         try:
             from qwenserve.platforms.cuda import CudaPlatform
