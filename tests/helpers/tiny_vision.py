@@ -1,0 +1,53 @@
+"""Tiny random-weight vision towers and images, written with transformers (the reference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from helpers.tiny_models import randomize_
+
+# patch 4 -> 96 values per patch; head_dim 16 (4 rotary frequencies per axis); a 4 x 4 table
+VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+              in_channels=3, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+              num_position_embeddings=16, hidden_act="gelu_pytorch_tanh")
+
+
+def vision_config(family: str, **overrides: Any) -> Any:
+    """HF vision config of ``family`` "qwen3_5" or "qwen3_vl" (with deep-stack taps)."""
+    import transformers as tf
+
+    kw = dict(VISION, **overrides)
+    if family == "qwen3_vl":
+        kw.setdefault("deepstack_visual_indexes", [0, 2])
+        return tf.Qwen3VLVisionConfig(**kw)
+    return tf.Qwen3_5VisionConfig(**kw)
+
+
+def hf_vision_model(family: str, seed: int = 0, **overrides: Any) -> Any:
+    import transformers as tf
+
+    cfg = vision_config(family, **overrides)
+    cls = (tf.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel if family == "qwen3_vl"
+           else tf.models.qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel)
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg, dtype=torch.float32).eval()
+    randomize_(model, seed)
+    return model
+
+
+def random_pixels(grids: list[tuple[int, int, int]], seed: int = 0) -> torch.Tensor:
+    """Normalized-looking pixel patches for the given grids, [N, 3 * 2 * 4 * 4]."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(t * h * w for t, h, w in grids)
+    dim = VISION["in_channels"] * VISION["temporal_patch_size"] * VISION["patch_size"] ** 2
+    return torch.randn(n, dim, generator=gen)
+
+
+def random_image(width: int, height: int, seed: int = 0) -> Any:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")

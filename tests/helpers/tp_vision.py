@@ -1,0 +1,27 @@
+"""A vision tower run on each rank of a CPU (gloo) tensor-parallel group, for the TP tests."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.tiny_vision import vision_config
+
+
+def run_rank(rank: int, world_size: int, init_method: str, family: str, weights_path: str,
+             inputs_path: str, out_path: str) -> None:
+    """Build the tower sharded ``world_size`` ways, run it, and save rank 0's output."""
+    from qwenserve.distributed.init import Rendezvous, init_parallel_group
+    from qwenserve.models.vision.tower import Qwen3VisionTower
+
+    torch.set_num_threads(1)
+    tp = init_parallel_group("gloo", rank, Rendezvous(init_method, world_size), timeout_s=120)
+    cfg = vision_config(family)
+    tower = Qwen3VisionTower(cfg, torch.float32, tp)
+    assert tower.blocks[0].attn.num_heads == cfg.num_heads // world_size  # really sharded
+    tower.load_weights(torch.load(weights_path).items())
+    pixels, grids = torch.load(inputs_path)
+    with torch.no_grad():
+        out = tower(pixels, grids)
+    if rank == 0:
+        torch.save([out.embeds, *out.deepstack], out_path)
+    torch.distributed.destroy_process_group()
