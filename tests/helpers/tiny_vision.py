@@ -51,3 +51,21 @@ def random_image(width: int, height: int, seed: int = 0) -> Any:
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def write_preprocessor_config(path: str, **overrides: Any) -> str:
+    """Qwen3-VL / Qwen3.5's published preprocessor_config.json, scaled to the tiny tower
+    (patch 4, merge 2: sides are multiples of 8 pixels)."""
+    import json
+    import os
+
+    cfg = {"image_processor_type": "Qwen2VLImageProcessorFast",
+           "processor_class": "Qwen3VLProcessor", "patch_size": VISION["patch_size"],
+           "temporal_patch_size": VISION["temporal_patch_size"],
+           "merge_size": VISION["spatial_merge_size"],
+           "size": {"shortest_edge": 8 * 8, "longest_edge": 64 * 64},
+           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], **overrides}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
