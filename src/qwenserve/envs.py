@@ -84,3 +84,33 @@ def int8_float_vocab() -> bool:
     """``--quantization int8`` keeps the embedding and LM head in float
     (``QWENSERVE_INT8_FLOAT_VOCAB=1``): more memory, no int8 rounding in the logits."""
     return _flag("INT8_FLOAT_VOCAB")
+
+
+def _number(name: str, vllm_name: str, default: float) -> float:
+    value = _get(name, vllm_name)
+    if value is None:
+        return default
+    source = f"QWENSERVE_{name}" if os.environ.get(f"QWENSERVE_{name}") else vllm_name
+    try:
+        number = float(value)
+    except ValueError as e:
+        raise ValueError(f"{source}={value!r} is not a number") from e
+    if number <= 0:
+        raise ValueError(f"{source}={value!r} must be > 0")
+    return number
+
+
+def image_fetch_timeout_s() -> float:
+    """Timeout of one http(s) image download (``VLLM_IMAGE_FETCH_TIMEOUT``, vLLM's 5 s)."""
+    return _number("IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT", 5.0)
+
+
+def max_media_download_bytes() -> int:
+    """Largest image download or data URL (``VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB``, 256 MiB)."""
+    mib = _number("MAX_MEDIA_DOWNLOAD_SIZE_MB", "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB", 256)
+    return int(mib * (1 << 20))
+
+
+def max_image_pixels() -> int:
+    """Largest decoded image, width x height (``VLLM_MAX_IMAGE_PIXELS``, vLLM's default)."""
+    return int(_number("MAX_IMAGE_PIXELS", "VLLM_MAX_IMAGE_PIXELS", 178_956_970))
