@@ -69,3 +69,43 @@ def write_preprocessor_config(path: str, **overrides: Any) -> str:
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def vl_tokenizer() -> Any:
+    """The tiny tokenizer plus Qwen's vision tokens (ids 512..515)."""
+    from helpers.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    return tokenizer
+
+
+def hf_vl_model(family: str, seed: int = 0) -> Any:
+    """A tiny HF ``Qwen3_5Model`` / ``Qwen3VLModel`` (tower + decoder) with random weights."""
+    import transformers as tf
+
+    from helpers.tiny_models import _config
+
+    start, end, pad, video = vl_tokenizer().convert_tokens_to_ids(IMAGE_TOKENS)
+    ids = dict(image_token_id=pad, video_token_id=video, vision_start_token_id=start,
+               vision_end_token_id=end)
+    if family == "qwen3_5":
+        text = _config("qwen3_5", vocab_size=520).to_dict()
+        cfg = tf.Qwen3_5Config(text_config=text, vision_config={**VISION, "out_hidden_size": 64},
+                               **ids)
+        model_cls = tf.Qwen3_5Model
+    else:
+        text = dict(vocab_size=520, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                    rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                     "mrope_section": [2, 2, 2], "mrope_interleaved": True})
+        vision = {**VISION, "out_hidden_size": 48, "deepstack_visual_indexes": [0, 1]}
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+        model_cls = tf.Qwen3VLModel
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    randomize_(model, seed)
+    return model

@@ -87,3 +87,17 @@ def test_processed_key_includes_the_processor_settings():
     assert small == processed_image_key("abc", {"size": {"longest_edge": 100}})
     assert small != processed_image_key("abc", {"size": {"longest_edge": 200}})
     assert small != processed_image_key("abd", {"size": {"longest_edge": 100}})
+
+
+def test_chunks_cut_through_images():
+    from qwenserve.multimodal.inputs import ImageSlice, image_slices
+
+    images = [ImagePlacement(2, (1, 4, 6), 2, "a"), ImagePlacement(9, (1, 4, 4), 2, "b")]
+    assert image_slices(images, 4, 12) == [ImageSlice(0, 0, 2, 6), ImageSlice(1, 5, 0, 3)]
+    assert image_slices(images, 0, 2) == [] and image_slices(images, 8, 9) == []
+    # every image token lands in exactly one chunk, whatever the chunk size
+    for size in (1, 3, 5, 14):
+        covered = [(s.image_index, t) for start in range(0, 14, size)
+                   for s in image_slices(images, start, min(start + size, 14))
+                   for t in range(s.token_start, s.token_end)]
+        assert covered == [(0, t) for t in range(6)] + [(1, t) for t in range(4)]

@@ -99,3 +99,31 @@ def mrope_position_delta(num_tokens: int, placements: Sequence[ImagePlacement]) 
     if num_tokens > cursor:
         last = max(last, position + num_tokens - cursor - 1)
     return last + 1 - num_tokens
+
+
+@dataclass(frozen=True)
+class ImageSlice:
+    """Part of one image's tokens inside a prefill chunk."""
+
+    image_index: int  # which image of the request
+    chunk_offset: int  # row of the slice's first token, counted from the chunk's start
+    token_start: int  # first of the image's own tokens in the slice
+    token_end: int
+
+
+def image_slices(placements: Sequence[ImagePlacement], start: int,
+                 end: int) -> list[ImageSlice]:
+    """The image tokens among prompt positions ``[start, end)``: a chunked prefill may cut an
+    image, so a chunk can hold the tail of one image and the head of the next.
+
+        position  0 1 2 3 4 5 6 7 8 9 10 11 12 13
+        prompt    t t I I I I I I t I I  I  I  t      image 0 at 2..7, image 1 at 9..12
+        chunk             [4 ................12)
+        slices    image 0 tokens [2, 6) -> chunk rows [0, 4); image 1 tokens [0, 3) -> rows [5, 8)
+    """
+    slices = []
+    for index, image in enumerate(placements):
+        lo, hi = max(start, image.offset), min(end, image.end)
+        if lo < hi:
+            slices.append(ImageSlice(index, lo - start, lo - image.offset, hi - image.offset))
+    return slices
