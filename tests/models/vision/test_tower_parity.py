@@ -94,3 +94,24 @@ def test_weight_loading_names_the_problem():
     weights["merger.linear_fc2.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=r"shape \(3, 3\) in the checkpoint"):
         tower.load_weights(weights.items())
+
+
+# the published large tower (HF's Qwen3_5VisionConfig defaults, Qwen3.5-27B's)
+PUBLISHED = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                 out_hidden_size=2048, num_position_embeddings=2304)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+def test_tower_builds_on_the_meta_device_with_hf_parameter_count(family):
+    """``qwenserve plan`` counts weights on a meta-device model; the tower counts like HF's."""
+    import transformers as tf
+
+    cfg = vision_config(family, **PUBLISHED)
+    cls = (tf.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel if family == "qwen3_vl"
+           else tf.models.qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel)
+    with torch.device("meta"):
+        tower = Qwen3VisionTower(cfg, torch.bfloat16)
+        reference = cls._from_config(cfg)
+    assert all(p.device.type == "meta" for p in tower.parameters())
+    count = sum(p.numel() for p in tower.parameters())
+    assert count == sum(p.numel() for p in reference.parameters())
