@@ -101,3 +101,13 @@ def test_chunks_cut_through_images():
                    for s in image_slices(images, start, min(start + size, 14))
                    for t in range(s.token_start, s.token_end)]
         assert covered == [(0, t) for t in range(6)] + [(1, t) for t in range(4)]
+
+
+def test_placements_import_no_torch():
+    """The scheduler (no torch, see test_architecture) will keep placements with requests."""
+    import subprocess
+    import sys
+
+    code = ("import sys, qwenserve.multimodal.inputs; "
+            "assert 'torch' not in sys.modules and 'PIL' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

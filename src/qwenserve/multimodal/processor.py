@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qwenserve.multimodal.hashing import image_content_hash
+from qwenserve.multimodal.cache import LRUBytesCache
+from qwenserve.multimodal.hashing import image_content_hash, processed_image_key
 
 if TYPE_CHECKING:
     import torch
@@ -114,13 +115,27 @@ class ImageProcessor:
         return patches // (self.merge_size * self.merge_size)
 
     def process(self, images: Sequence[Image.Image],
-                request_kwargs: Mapping[str, Any] | None = None) -> list[ProcessedImage]:
-        """Resize, normalize and patchify each image (RGB expected, see entrypoints/media)."""
-        if not images:
-            return []
-        out = self.hf(images=list(images), return_tensors="pt", **self.kwargs(request_kwargs))
-        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
-        sizes = [t * h * w for t, h, w in grids]
-        pixels = out["pixel_values"].float().split(sizes)
-        return [ProcessedImage(p, g, image_content_hash(img))  # type: ignore[arg-type]
-                for p, g, img in zip(pixels, grids, images)]
+                request_kwargs: Mapping[str, Any] | None = None,
+                cache: LRUBytesCache[ProcessedImage] | None = None) -> list[ProcessedImage]:
+        """Resize, normalize and patchify each image (RGB expected, see entrypoints/media);
+        images already in ``cache`` under the same settings are not processed again."""
+        kwargs = self.kwargs(request_kwargs)
+        hashes = [image_content_hash(image) for image in images]
+        keys = [processed_image_key(h, kwargs) for h in hashes]
+        done = {k: v for k in keys if cache is not None and (v := cache.get(k)) is not None}
+        todo = {k: i for i, k in enumerate(keys) if k not in done}  # first image of each key
+        if todo:
+            out = self.hf(images=[images[i] for i in todo.values()], return_tensors="pt",
+                          **kwargs)
+            grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+            pixels = out["pixel_values"].float().split([t * h * w for t, h, w in grids])
+            for (key, i), p, grid in zip(todo.items(), pixels, grids):
+                done[key] = ProcessedImage(p, grid, hashes[i])  # type: ignore[arg-type]
+                if cache is not None:
+                    cache.put(key, done[key])
+        return [done[k] for k in keys]
+
+
+def processed_nbytes(image: ProcessedImage) -> int:
+    """What a processed image holds in the processed-image cache."""
+    return image.pixel_values.numel() * image.pixel_values.element_size()
