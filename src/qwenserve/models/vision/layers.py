@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from qwenserve.distributed.parallel_group import ParallelGroup
 from qwenserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from qwenserve.layers.varlen_attention import VarlenAttention
 
-_ACTIVATIONS = {
+Activation = Callable[[torch.Tensor], torch.Tensor]
+_ACTIVATIONS: dict[str, Activation] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "silu": F.silu,
@@ -30,7 +31,7 @@ _ACTIVATIONS = {
 LAYER_NORM_EPS = 1e-6  # HF's Qwen3-VL / Qwen3.5 vision LayerNorms
 
 
-def activation(name: str) -> Any:
+def activation(name: str) -> Activation:
     if name not in _ACTIVATIONS:
         raise ValueError(f"vision_config.hidden_act {name!r} is not supported; supported: "
                          f"{', '.join(_ACTIVATIONS)}")
