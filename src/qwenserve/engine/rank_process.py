@@ -85,23 +85,35 @@ def run_rank(args: RankArguments) -> None:
     leave_parallel_group(tp)
 
 
-def exit_with_driver(fd: int) -> None:
-    """Exit this process as soon as the driver is gone: its pipe ``fd`` reads EOF, or (should
-    a process the driver forked still hold the pipe) this process gets a new parent."""
-    parent = os.getppid()
+@dataclasses.dataclass(frozen=True)
+class DriverLink:
+    """How a worker knows its driver is alive: the pipe ``fd`` is open, and the parent is
+    still ``parent`` (should a process the driver forked still hold the pipe)."""
 
-    def watch() -> None:
-        while True:
-            readable, _, _ = select.select([fd], [], [], 1.0)
-            if readable and not os.read(fd, 4096):
-                break
-            if os.getppid() != parent:
-                break
+    fd: int
+    parent: int
+
+    def gone(self, wait_s: float = 0.0) -> bool:
+        readable, _, _ = select.select([self.fd], [], [], wait_s)
+        if readable and not os.read(self.fd, 4096):  # EOF
+            return True
+        return os.getppid() != self.parent
+
+    def exit(self) -> None:
         logger.error("Tensor-parallel worker %d: its driver process (pid %d) is gone; exiting",
-                     os.getpid(), parent)
+                     os.getpid(), self.parent)
+        sys.stderr.flush()
         os._exit(1)
 
-    threading.Thread(target=watch, daemon=True, name="qwenserve-driver-watch").start()
+    def watch(self) -> None:
+        """Exit this process as soon as the driver is gone, from a background thread."""
+
+        def watch() -> None:
+            while not self.gone(wait_s=1.0):
+                pass
+            self.exit()
+
+        threading.Thread(target=watch, daemon=True, name="qwenserve-driver-watch").start()
 
 
 def _read_message(fd: int) -> bytes | None:
@@ -126,8 +138,14 @@ def main() -> None:
     payload = _read_message(stdin)  # at once: the driver writes it right after spawning
     if payload is None:
         raise SystemExit(1)
-    exit_with_driver(stdin)  # before unpickling, which imports transformers and torch
-    run_rank(pickle.loads(payload))
+    driver = DriverLink(stdin, os.getppid())
+    driver.watch()  # before unpickling, which imports transformers and torch
+    try:
+        run_rank(pickle.loads(payload))
+    except Exception:
+        if driver.gone(wait_s=1.0):  # a collective failed because the driver died: say so
+            driver.exit()
+        raise
     # Nothing is left to save, and tearing down the interpreter's modules (torch,
     # transformers) takes seconds that the driver's shutdown would wait for.
     sys.stdout.flush()
