@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,8 @@ import time
 import pytest
 
 from qwenserve import LLM, SamplingParams
-from qwenserve.distributed.init import free_port
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 PROMPTS = [[5, 17, 99, 3], list(range(10, 60)), [7, 300, 12], [42] * 20]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +25,7 @@ def greedy_tokens(path: str, tp: int) -> list[list[int]]:
     """Greedy tokens of PROMPTS, then of the same prompts again (prefix-cache hits; on hybrid
     models restored state checkpoints): both rounds must agree."""
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16,
-              tensor_parallel_size=tp)
+              kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     rounds = [[o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params)] for _ in range(2)]
@@ -33,7 +35,8 @@ def greedy_tokens(path: str, tp: int) -> list[list[int]]:
     return rounds[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+                                  "qwen3_next"])
 def test_tp2_equals_tp1_with_chunked_prefill(tiny_model, arch):
     path = tiny_model(arch)
     assert greedy_tokens(path, 2) == greedy_tokens(path, 1)
@@ -42,6 +45,13 @@ def test_tp2_equals_tp1_with_chunked_prefill(tiny_model, arch):
 def test_heads_must_divide(tiny_model):
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         LLM(tiny_model("qwen2"), dtype="float32", tensor_parallel_size=3)
+
+
+def free_port() -> int:
+    """A port for MASTER_PORT, as a user would pick one (only the engine holds its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _script(body: str) -> str:

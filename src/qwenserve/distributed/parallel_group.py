@@ -6,17 +6,20 @@ With ``world_size == 1`` every collective is the identity, so single-device code
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
 class ParallelGroup:
     rank: int = 0
     world_size: int = 1
-    device_group: Any = None  # torch.distributed group on the platform backend (tensors)
-    cpu_group: Any = None  # gloo group (Python objects)
+    device_group: ProcessGroup | None = None  # the platform's backend (tensors)
+    cpu_group: ProcessGroup | None = None  # gloo (Python objects)
 
     @property
     def is_driver(self) -> bool:
