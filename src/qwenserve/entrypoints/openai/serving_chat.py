@@ -3,7 +3,7 @@
 The same per-choice parser chain turns model text into message fields whether the answer is
 streamed or not (a whole answer is one final delta), so both modes give the same result:
 
-    model text --ReasoningParser--> reasoning | content --HermesToolParser--> content | tool_calls
+    model text --ReasoningParser--> reasoning | content --ToolParser--> content | tool_calls
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from qwenserve.entrypoints.openai.serving_engine import (
     resolve_max_tokens,
     usage,
 )
-from qwenserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from qwenserve.entrypoints.openai.tool_parsers.hermes import stream_delta
+from qwenserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallDelta, merge_deltas
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import SamplingParams
 
@@ -201,18 +200,33 @@ class ChoiceParser:
         name = state.options.reasoning_parser
         self.reasoning = REASONING_PARSERS[name](job.prompt_text) if name else None
         tool_name = state.options.tool_call_parser
-        self.tools = TOOL_PARSERS[tool_name]() if job.parse_tools and tool_name else None
+        tools = [t.model_dump(exclude_none=True) for t in job.request.tools or []]
+        self.tools = TOOL_PARSERS[tool_name](tools) if job.parse_tools and tool_name else None
         self.include_reasoning = job.request.include_reasoning
-        self.num_calls = 0
 
     @property
     def active(self) -> bool:
         return self.reasoning is not None or self.tools is not None
 
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools is not None else 0
+
     def feed(self, text: str, final: bool) -> dict[str, Any]:
         """Model text -> the message fields it settles (a streamed ``delta``)."""
+        delta, calls = self._parse(text, final)
+        if calls:
+            delta["tool_calls"] = [c.to_openai() for c in calls]
+        return delta
+
+    def whole(self, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A whole answer: (message fields but tool calls, whole tool calls)."""
+        delta, calls = self._parse(text, final=True)
+        return delta, merge_deltas(calls)
+
+    def _parse(self, text: str, final: bool) -> tuple[dict[str, Any], list[ToolCallDelta]]:
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
-        calls: list[dict[str, Any]] = []
+        calls: list[ToolCallDelta] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)
         delta: dict[str, Any] = {}
@@ -220,10 +234,7 @@ class ChoiceParser:
             delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content or not self.active:
             delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [stream_delta(c, self.num_calls + i) for i, c in enumerate(calls)]
-            self.num_calls += len(calls)
-        return delta
+        return delta, calls
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.num_calls and reason is not None else reason
@@ -231,7 +242,7 @@ class ChoiceParser:
 
 def _message(state: ServerState, job: ChatJob, comp: CompletionOutput) -> tuple[dict, str]:
     parser = ChoiceParser(state, job)
-    delta = parser.feed(comp.text, final=True)
+    delta, calls = parser.whole(comp.text)
     reasoning = delta.get("reasoning")
     if (
         reasoning is None
@@ -240,7 +251,6 @@ def _message(state: ServerState, job: ChatJob, comp: CompletionOutput) -> tuple[
         and parser.include_reasoning
     ):
         reasoning = ""
-    calls = [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", [])]
     content = delta.get("content")
     message = {
         "role": state.options.response_role,
