@@ -39,6 +39,7 @@ from qwenserve.entrypoints.openai.streaming import (
     DisconnectAwareStreamingResponse,
     cancel_on_disconnect,
 )
+from qwenserve.entrypoints.openai.structured import check_grammar
 
 router = APIRouter()
 # vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
@@ -122,6 +123,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
     _warn_ignored(body)
     job = serving_completion.prepare_completion(state, body, request.headers.get("x-request-id"))
+    await check_grammar(state, [p.params for p in job.prompts], job.constraint_source)
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_completion.complete(state, job))
         return JSONResponse(result) if result is not None else Response(status_code=499)
@@ -139,6 +141,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = _state(request)
     _warn_ignored(body)
     job = serving_chat.prepare_chat(state, body, request.headers.get("x-request-id"))
+    await check_grammar(state, [job.params], job.constraint_source)
     agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text)
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_chat.chat_complete(state, job, agen))
