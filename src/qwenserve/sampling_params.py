@@ -74,7 +74,8 @@ class SamplingParams:
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncations cannot change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # Kept through clone() (dataclasses.replace runs __post_init__ again).
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
     @property
     def greedy(self) -> bool:

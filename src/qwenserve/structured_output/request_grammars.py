@@ -40,7 +40,9 @@ class _Row:
     def constrains_next(self) -> bool:
         if self.forced:
             return True
-        return self.matcher is not None and not self.failed and not self.in_reasoning
+        if self.matcher is None or self.failed or self.in_reasoning:
+            return False
+        return not self.matcher.is_terminated()  # done (e.g. ignore_eos): no longer constrained
 
 
 class RequestGrammars:
@@ -85,9 +87,20 @@ class RequestGrammars:
                 token = row.forced[0]
                 mask[i, token // 32] = _bit(token % 32)
             else:
-                assert row.matcher is not None
-                row.matcher.fill_bitmask(mask, i)
+                self._fill(request_ids[i], row, mask, i)
         return mask
+
+    @staticmethod
+    def _fill(request_id: str, row: _Row, mask: torch.Tensor, i: int) -> None:
+        """The matcher's row; a backend error frees this request, never the engine."""
+        assert row.matcher is not None
+        try:
+            row.matcher.fill_bitmask(mask, i)
+        except RuntimeError as e:
+            row.failed = True
+            mask[i] = -1
+            logger.warning("Request %s: its grammar failed (%s); its output is no longer "
+                           "constrained", request_id, e)
 
     def accept(self, request_id: str, token_id: int) -> None:
         row = self._rows.get(request_id)
