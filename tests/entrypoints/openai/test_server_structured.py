@@ -108,7 +108,7 @@ def agent_server(tiny_model_path, tmp_path_factory):
 
 def chat(server, **kwargs):
     extra = {**NO_THINKING, **kwargs.pop("extra_body", {})}
-    kwargs.setdefault("max_tokens", 300)
+    kwargs.setdefault("max_tokens", 200)
     return server.client().chat.completions.create(
         model=SERVED, messages=MSG, temperature=0.8, extra_body=extra, **kwargs)
 
@@ -117,7 +117,7 @@ def chat(server, **kwargs):
 def test_json_schema_outputs_validate(agent_server, name):
     schema = SCHEMAS[name]
     fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
-    out = chat(agent_server, response_format=fmt, n=3)
+    out = chat(agent_server, response_format=fmt, n=2)
     for choice in out.choices:
         text = choice.message.content
         assert choice.finish_reason == "stop", text

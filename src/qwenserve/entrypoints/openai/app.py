@@ -34,6 +34,7 @@ from qwenserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from qwenserve.entrypoints.openai.request_fields import unknown_fields
 from qwenserve.entrypoints.openai.serving_engine import ServerState, engine_error, logger
 from qwenserve.entrypoints.openai.streaming import (
     DisconnectAwareStreamingResponse,
@@ -56,7 +57,8 @@ def _state(request: Request) -> ServerState:
 
 
 def _warn_ignored(body: OpenAIBaseModel) -> None:
-    ignored = body.ignored_fields()
+    endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+    ignored = unknown_fields(body, endpoint)  # vLLM's fields are honoured or refused
     if ignored:
         logger.warning(
             "The following fields were present in the request but ignored: %s", set(ignored)
