@@ -12,6 +12,10 @@ from qwenserve.structured_output.params import GrammarSpec
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the client needs the rest.
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
+# JSON may have whitespace between tokens (vLLM's default), but at most this much in one place:
+# unbounded, a small model at temperature > 0 can loop on newlines until max_tokens. 24 covers
+# pretty-printed JSON indented 2 spaces to depth 11.
+MAX_JSON_WHITESPACE = 24
 
 
 class XgrammarMatcher:
@@ -51,7 +55,8 @@ class XgrammarBackend:
                 source = spec.source if spec.kind == "json" else '{"type": "object"}'
                 separators = None if spec.any_whitespace else (",", ":")
                 return self._compiler.compile_json_schema(
-                    source, any_whitespace=spec.any_whitespace, separators=separators)
+                    source, any_whitespace=spec.any_whitespace, separators=separators,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.source)
             if spec.kind == "grammar":

@@ -37,7 +37,7 @@ def embedded_server(tmp_path_factory):
 
 
 def ask(server, content: str, **kwargs):
-    client = server.client()
+    client = server.client().with_options(timeout=900)  # n=20 on a shared 2-core CPU
     model = client.models.list().data[0].id
     return client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": content}], temperature=0.8,
