@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "qwenserve.entrypoints.llm",
     "SamplingParams": "qwenserve.sampling_params",
+    "StructuredOutputsParams": "qwenserve.sampling_params",
     "RequestOutput": "qwenserve.outputs",
     "CompletionOutput": "qwenserve.outputs",
     "EngineArgs": "qwenserve.config",
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from qwenserve.engine.async_engine import AsyncEngine
     from qwenserve.entrypoints.llm import LLM
     from qwenserve.outputs import CompletionOutput, RequestOutput
-    from qwenserve.sampling_params import SamplingParams
+    from qwenserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

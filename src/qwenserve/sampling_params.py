@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields, replace
 
+from qwenserve.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
@@ -47,8 +49,19 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     best_of: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: max_model_len)
+    allowed_token_ids: list[int] | None = None  # sample only these
+    bad_words: list[str] | None = None  # never complete one of these words
+    logit_bias: dict[int, float] | None = None  # added to the logits, as OpenAI's field
+    structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None  # reasoning tokens before </think> is forced
     # Filled by the engine: the model's EOS ids that also end generation (unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: ``bad_words`` as token ids (with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Filled by the server when a reasoning parser is on and the prompt leaves a reasoning block
+    # open: structured outputs start after these tokens, and thinking_token_budget forces them.
+    reasoning_end_token_ids: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,7 +74,8 @@ class SamplingParams:
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncations cannot change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # Kept through clone() (dataclasses.replace runs __post_init__ again).
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -114,6 +128,33 @@ class SamplingParams:
                self.stop_token_ids, "must be non-negative integers")
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        self._validate_processors()
+
+    def _validate_processors(self) -> None:
+        if self.truncate_prompt_tokens is not None:
+            _check(isinstance(self.truncate_prompt_tokens, int)
+                   and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
+                   "truncate_prompt_tokens", self.truncate_prompt_tokens,
+                   "must be -1 (the model's maximum) or an integer >= 1")
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids) and all(
+                isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids", self.allowed_token_ids,
+                "must be a non-empty list of token ids")
+        _check(all(isinstance(w, str) and w for w in self.bad_words or []), "bad_words",
+               self.bad_words, "must be non-empty strings")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(isinstance(token_id, int) and token_id >= 0, "logit_bias", token_id,
+                   "keys must be token ids")
+            _check(-100.0 <= bias <= 100.0, "logit_bias", bias, "values must be in [-100, 100]")
+        if self.thinking_token_budget is not None:
+            _check(isinstance(self.thinking_token_budget, int)
+                   and self.thinking_token_budget >= 0, "thinking_token_budget",
+                   self.thinking_token_budget, "must be an integer >= 0")
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams),
+                   "structured_outputs", self.structured_outputs,
+                   "must be a StructuredOutputsParams")
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
@@ -121,4 +162,5 @@ def _check(ok: bool, name: str, value: object, rule: str) -> None:
         raise ValueError(f"{name} {rule}, got {value!r}")
 
 
-SAMPLING_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids")
+_ENGINE_FIELDS = ("all_stop_token_ids", "bad_words_token_ids", "reasoning_end_token_ids")
+SAMPLING_PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if f.name not in _ENGINE_FIELDS)

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from qwenserve.config import EngineArgs, EngineConfig
@@ -18,6 +20,7 @@ from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, Iteration
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.structured_output.service import GrammarService, model_grammar_service
 from qwenserve.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
@@ -42,6 +45,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._pending_aborts: list[FinishedRequestStats] = []
+        # Structured-output requests whose grammar is still compiling: (future, parent id,
+        # children). They reach the scheduler once it is ready, so they never stall others.
+        self._awaiting_grammar: list[tuple[Future, str, list[Request]]] = []
+        self._grammars: GrammarService | None = None
         self.startup_s = time.perf_counter() - start
         self._log_startup()
 
@@ -69,22 +76,44 @@ class LLMEngine:
         """Queue a request (``arrival_time`` is ``time.monotonic()``-based)."""
         if self.outputs.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_request(prompt_token_ids, params)
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params, compile_grammar=False)
         params = self._finalize_params(params)
+        grammar = None
+        if params.structured_outputs is not None:  # compiled off this thread (cached by spec)
+            grammar = self.grammar_service().submit(params.structured_outputs.to_spec())
+            if grammar.done() and grammar.exception() is not None:
+                raise ValueError(str(grammar.exception()))
         max_len = self.config.scheduler.max_model_len
         room = max(max_len - len(prompt_token_ids), 1)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
         for child_id in self.outputs.add_request(request_id, prompt, prompt_token_ids, params,
                                                  arrival):
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + int(child_id.split("_", 1)[0]))
-            self.scheduler.add_request(Request(child_id, list(prompt_token_ids), child_params,
-                                               max_tokens, arrival_time=arrival))
+            children.append(Request(child_id, list(prompt_token_ids), child_params, max_tokens,
+                                    arrival_time=arrival))
+        if grammar is not None and not grammar.done():
+            self._awaiting_grammar.append((grammar, request_id, children))
+            return
+        for req in children:
+            self.scheduler.add_request(req)
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler."""
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """``truncate_prompt_tokens``: keep the last k tokens (-1: as many as fit)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        k = self.config.scheduler.max_model_len if k == -1 else k
+        return prompt_token_ids[-k:]
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                         compile_grammar: bool = True) -> None:
+        """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler.
+        With ``compile_grammar`` a structured-output spec is compiled now (blocking; cached)."""
         self.check_prompt(prompt_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -92,6 +121,22 @@ class LLMEngine:
                 raise ValueError(f"{name} {value} is more than the engine's max_logprobs "
                                  f"({self.config.max_logprobs}); ask for fewer or raise "
                                  "--max-logprobs")
+        vocab = self.config.model.vocab_size
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (the "
+                                 f"vocabulary has {vocab} tokens)")
+        if compile_grammar and params.structured_outputs is not None:
+            self.grammar_service().compile(params.structured_outputs.to_spec())
+
+    def grammar_service(self) -> GrammarService:
+        """The process's grammar compiler for this model (built on first use: xgrammar loads
+        only when a request asks for structured outputs)."""
+        if self._grammars is None:
+            self._grammars = model_grammar_service(self.config.model, self.tokenizer)
+        return self._grammars
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         max_len = self.config.scheduler.max_model_len
@@ -112,10 +157,22 @@ class LLMEngine:
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             params.all_stop_token_ids |= set(self.config.model.eos_token_ids)
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         return params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the model may write it: alone, and after a space (as vLLM)."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self._awaiting_grammar = [w for w in self._awaiting_grammar if w[1] != request_id]
             children = self.outputs.abort(request_id)
             for req in self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED):
                 self._pending_aborts.append(FinishedRequestStats(
@@ -123,13 +180,35 @@ class LLMEngine:
                     req.num_prompt_tokens, req.num_output_tokens, req.max_tokens))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        waiting_grammar = sum(len(children) for _, _, children in self._awaiting_grammar)
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + waiting_grammar
+
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar is ready to the scheduler. With nothing else to run, wait
+        a little for a compile instead of spinning."""
+        if not self._awaiting_grammar:
+            return
+        if not self.scheduler.has_unfinished_requests():
+            wait_futures([f for f, _, _ in self._awaiting_grammar], timeout=0.05,
+                         return_when=FIRST_COMPLETED)
+        still = []
+        for future, request_id, children in self._awaiting_grammar:
+            if not future.done():
+                still.append((future, request_id, children))
+            elif future.exception() is not None:  # the server checks specs first: not expected
+                logger.error("Request %s: %s; aborted", request_id, future.exception())
+                self.outputs.abort(request_id)
+            else:
+                for req in children:
+                    self.scheduler.add_request(req)
+        self._awaiting_grammar = still
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._admit_compiled()
         sched_out = self.scheduler.schedule()
         model_out = self.executor.execute(sched_out)
         updates = self.scheduler.update(sched_out, model_out)

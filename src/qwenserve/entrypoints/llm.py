@@ -45,8 +45,12 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
         request_ids = []
-        for prompt, params in zip(prompt_list, params_list):
-            text, token_ids = self._tokenize(prompt)
+        tokenized = [self._tokenize(prompt) for prompt in prompt_list]
+        for (_, token_ids), params in zip(tokenized, params_list):
+            # Every request is checked (structured-output grammars compiled) before any starts.
+            self.llm_engine.validate_request(
+                self.llm_engine.truncate_prompt(token_ids, params), params)
+        for (text, token_ids), params in zip(tokenized, params_list):
             request_id = str(next(self._counter))
             self.llm_engine.add_request(request_id, token_ids, params, prompt=text)
             request_ids.append(request_id)

@@ -14,6 +14,7 @@ import torch
 from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOutput
 from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.worker.forward_batch import ForwardBatch
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 
@@ -45,7 +46,7 @@ class PromptScoring:
 class ModelRunner:
     def __init__(self, model: Any, caches: list[Any], attn_backend: Any, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
-                 recurrent_backend: Any = None) -> None:
+                 recurrent_backend: Any = None, grammars: RequestGrammars | None = None) -> None:
         self.model = model
         self.caches = caches
         self.attn_backend = attn_backend
@@ -54,6 +55,8 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver
         self.requests: dict[str, RequestState] = {}
+        # Structured outputs and thinking budgets: the driver's matchers (None on other ranks).
+        self.grammars = grammars
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -61,7 +64,11 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.remove(request_id)
         for new in sched.new_requests:
+            if self.grammars is not None and not self.grammars.has(new.request_id):
+                self.grammars.add(new.request_id, new.sampling_params, new.output_token_ids)
             old = self.requests.get(new.request_id)
             if old is not None:  # resumed after preemption: keep the generator's position
                 old.block_ids, old.state_slot = list(new.block_ids), new.state_slot
@@ -95,10 +102,14 @@ class ModelRunner:
             return ModelOutput()
         sampled_chunks = [c for c in chunks if c.sample]
         rows = [self._sampling_row(c.request_id) for c in sampled_chunks]
-        tokens = sample(logits, rows, self.generator)
+        bitmask = None if self.grammars is None else self.grammars.bitmask(
+            [c.request_id for c in sampled_chunks], logits.shape[1])
+        tokens = sample(logits, rows, self.generator, bitmask)
         output = ModelOutput(prompt_logprobs=scored)
         for chunk, token in zip(sampled_chunks, tokens):
             self.requests[chunk.request_id].output_token_ids.append(token.token_id)
+            if self.grammars is not None:
+                self.grammars.accept(chunk.request_id, token.token_id)
             output.sampled[chunk.request_id] = token
         return output
 

@@ -1,7 +1,8 @@
 """Batched sampling on device: penalties, temperature, min_p, top_k/top_p, seeded draws, logprobs.
 
-Order (as vLLM): logprobs from the raw logits; then min_tokens masking and penalties; greedy rows
-take the argmax; the others are scaled by temperature, truncated by min_p, top_k and top_p, and
+Order (as vLLM): logprobs from the raw logits; then the logits processors (min_tokens,
+allowed_token_ids, bad_words, logit_bias), the structured-output token bitmask, and penalties;
+greedy rows take the argmax; the others are scaled by temperature, truncated by min_p, top_k and top_p, and
 drawn with the exponential race ``argmax(p / E)``, E ~ Exp(1). A request with a ``seed`` draws its
 E from its own generator, so its samples do not depend on what else is in the batch.
 """
@@ -27,11 +28,16 @@ class SamplingRow:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           default_generator: torch.Generator | None = None) -> list[SampledToken]:
-    """logits [B, V] float32 -> one SampledToken per row."""
+           default_generator: torch.Generator | None = None,
+           bitmask: torch.Tensor | None = None) -> list[SampledToken]:
+    """logits [B, V] float32 -> one SampledToken per row. ``bitmask`` [B, ceil(V / 32)] int32:
+    the grammar's allowed tokens per row (all ones for rows without a grammar)."""
     logprobs = _logprobs(logits, rows)
     logits = logits.clone()
     _mask_stop_tokens(logits, rows)
+    apply_logits_processors(logits, rows)
+    if bitmask is not None:
+        apply_token_bitmask(logits, bitmask)
     _apply_penalties(logits, rows)
     token_ids = _choose(logits, rows, default_generator)
     return _package(token_ids, logprobs, rows)
@@ -49,6 +55,47 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if len(r.output_token_ids) < r.params.min_tokens and r.params.all_stop_token_ids:
             ids = [t for t in r.params.all_stop_token_ids if t < logits.shape[1]]
             logits[i, ids] = -float("inf")
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """allowed_token_ids, bad_words and logit_bias, as vLLM's built-in logits processors."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.allowed_token_ids:
+            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
+                                device=logits.device)
+            allowed = logits[i, keep]
+            logits[i] = -float("inf")
+            logits[i, keep] = allowed
+        if p.bad_words_token_ids:
+            banned = _banned_tokens(p.bad_words_token_ids, r.output_token_ids)
+            if banned:
+                logits[i, [t for t in banned if t < vocab]] = -float("inf")
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype,
+                                           device=logits.device)
+
+
+def _banned_tokens(words: list[list[int]], output: list[int]) -> list[int]:
+    """A bad word's last token is banned where the output already ends with the rest of it."""
+    return [w[-1] for w in words
+            if len(output) >= len(w) - 1 and output[len(output) - len(w) + 1:] == w[:-1]]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Tokens whose bit is clear get -inf. The bits are unpacked in torch, so any device works:
+    bit ``t % 32`` of word ``t // 32`` stands for token ``t``."""
+    vocab = logits.shape[1]
+    constrained = (bitmask != -1).any(dim=1).nonzero().flatten()
+    if constrained.numel() == 0:
+        return
+    words = bitmask.index_select(0, constrained).to(logits.device)  # [C, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [C, V]
+    rows = logits.index_select(0, constrained.to(logits.device))
+    logits[constrained.to(logits.device)] = rows.masked_fill(~allowed, -float("inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

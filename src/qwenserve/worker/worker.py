@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
 from qwenserve.platforms import resolve_platform
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.structured_output.request_grammars import RequestGrammars
+from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -159,8 +162,11 @@ class Worker:
                         plan.num_state_slots, self.device)):
                     caches[layer_id] = state
         recurrent = getattr(self.model, "recurrent_backend", None)
+        grammars = RequestGrammars(partial(model_grammar_service, self.config.model)) \
+            if self.tp.is_driver else None
         self.runner = ModelRunner(self.model, caches, self.attn_backend, plan.block_size,
-                                  self.device, self.tp.is_driver, self.config.seed, recurrent)
+                                  self.device, self.tp.is_driver, self.config.seed, recurrent,
+                                  grammars)
 
     def warm_up(self) -> None:
         """Run one small prefill and one decode so the first request does not pay for kernel

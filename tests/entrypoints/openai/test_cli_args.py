@@ -112,7 +112,12 @@ def test_help_groups_like_vllm(capsys):
         (["--distributed-executor-backend", "ray"], "not implemented yet"),
         (["--no-enable-chunked-prefill"], "--enable-chunked-prefill False is not implemented yet"),
         (["--lora-modules", "a=b"], "--lora-modules a=b is not implemented yet"),
-        (["--tool-call-parser", "qwen3_coder"], "qwen3_coder is not implemented yet"),
+        (["--tool-call-parser", "mistral"], "mistral is not implemented yet"),
+        (["--structured-outputs-config", '{"backend": "guidance"}'],
+         "backend 'guidance' is not implemented in qwenserve"),
+        (["--structured-outputs-config.backend", "outlines"], "'outlines' is not implemented"),
+        (["--structured-outputs-config.nonsense=1"], "unknown key(s) ['nonsense']"),
+        (["--structured-outputs-config.disable_any_whitespace", "maybe"], "must be true or false"),
         (["--reasoning-parser", "granite"], "granite is not implemented yet"),
         (["--reasoning-parser", "nonsense"], "nonsense is unknown"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
@@ -128,6 +133,21 @@ def test_refused_flags_say_why(capsys, argv, words):
         parse(["model", *argv])
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_structured_outputs_config_as_json_or_dotted():
+    from qwenserve.structured_output.config import parse_structured_outputs_config
+
+    for argv in (
+        ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
+        ["--structured-outputs-config.backend", "xgrammar",
+         "--structured-outputs-config.disable_any_whitespace=true"],
+        ["--structured-outputs-config", '{"backend": "xgrammar"}',
+         "--structured-outputs-config.disable-any-whitespace", "true"],
+    ):
+        config = parse_structured_outputs_config(parse(["model", *argv]).structured_outputs_config)
+        assert config.backend == "xgrammar" and config.disable_any_whitespace
+    assert parse(["model", "--tool-call-parser", "qwen3_xml"]).tool_call_parser == "qwen3_xml"
 
 
 def test_help_all_and_a_keyword_without_match(capsys):

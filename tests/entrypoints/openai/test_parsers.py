@@ -10,7 +10,7 @@ from qwenserve.entrypoints.openai.reasoning import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
 )
-from qwenserve.entrypoints.openai.tool_parsers import HermesToolParser
+from qwenserve.entrypoints.openai.tool_parsers import HermesToolParser, merge_deltas
 
 OPEN_PROMPT = "<|im_start|>assistant\n<think>\n"
 CLOSED_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -95,7 +95,7 @@ def tool_stream(text: str, cuts: list[int]) -> tuple[str, list]:
     for i, piece in enumerate(pieces):
         c, new = parser.feed(piece, final=i == len(pieces) - 1)
         content, calls = content + c, calls + new
-    return content, calls
+    return content, merge_deltas(calls)
 
 
 def names_args(calls: list) -> list:

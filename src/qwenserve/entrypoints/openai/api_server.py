@@ -57,6 +57,7 @@ def build_engine_args(args: argparse.Namespace) -> Any:
 def _options(args: argparse.Namespace, model_name: str) -> Any:
     from qwenserve.entrypoints.chat_utils import load_chat_template
     from qwenserve.entrypoints.openai.serving_engine import ServingOptions
+    from qwenserve.structured_output.config import parse_structured_outputs_config
 
     return ServingOptions(
         served_model_names=list(args.served_model_name or [model_name]),
@@ -74,6 +75,7 @@ def _options(args: argparse.Namespace, model_name: str) -> Any:
         max_log_len=args.max_log_len,
         generation_overrides=dict(args.override_generation_config or {}),
         generation_config=args.generation_config or "auto",
+        structured_outputs=parse_structured_outputs_config(args.structured_outputs_config),
     )
 
 

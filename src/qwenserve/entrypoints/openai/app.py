@@ -34,11 +34,13 @@ from qwenserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from qwenserve.entrypoints.openai.request_fields import unknown_fields
 from qwenserve.entrypoints.openai.serving_engine import ServerState, engine_error, logger
 from qwenserve.entrypoints.openai.streaming import (
     DisconnectAwareStreamingResponse,
     cancel_on_disconnect,
 )
+from qwenserve.entrypoints.openai.structured import check_grammar
 
 router = APIRouter()
 # vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
@@ -55,7 +57,8 @@ def _state(request: Request) -> ServerState:
 
 
 def _warn_ignored(body: OpenAIBaseModel) -> None:
-    ignored = body.ignored_fields()
+    endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+    ignored = unknown_fields(body, endpoint)  # vLLM's fields are honoured or refused
     if ignored:
         logger.warning(
             "The following fields were present in the request but ignored: %s", set(ignored)
@@ -122,6 +125,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
     _warn_ignored(body)
     job = serving_completion.prepare_completion(state, body, request.headers.get("x-request-id"))
+    await check_grammar(state, [p.params for p in job.prompts], job.constraint_source)
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_completion.complete(state, job))
         return JSONResponse(result) if result is not None else Response(status_code=499)
@@ -139,6 +143,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = _state(request)
     _warn_ignored(body)
     job = serving_chat.prepare_chat(state, body, request.headers.get("x-request-id"))
+    await check_grammar(state, [job.params], job.constraint_source)
     agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text)
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_chat.chat_complete(state, job, agen))

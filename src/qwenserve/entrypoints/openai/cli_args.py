@@ -18,6 +18,10 @@ from typing import Any
 from qwenserve.config import EngineArgs, human_readable_int
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
+from qwenserve.structured_output.config import (
+    fold_dotted_flags,
+    parse_structured_outputs_config,
+)
 
 BOOL = argparse.BooleanOptionalAction
 # flag (+ aliases), argparse kwargs, the values that are no-ops here (None: not given)
@@ -41,7 +45,6 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--hf-overrides",), {}, (None,)),
     (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
-    (("--structured-outputs-config",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
     (("--reasoning-parser-plugin",), {}, (None,)),
     (("--return-tokens-as-token-ids",), {"action": BOOL}, (None, False)),
@@ -235,6 +238,12 @@ def _add_engine_extras(parser: argparse.ArgumentParser) -> None:
         "QwQ -> deepseek_r1).",
     )
     out.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help="JSON, or dotted (--structured-outputs-config.backend xgrammar): backend "
+        "(auto|xgrammar), disable_any_whitespace, enable_in_reasoning.",
+    )
+    out.add_argument(
         "--enable-reasoning",
         action="store_true",
         help="Deprecated in vLLM and ignored: --reasoning-parser is enough.",
@@ -311,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
 def _parse_known_args(
     self: argparse.ArgumentParser, args: Any = None, namespace: Any = None
 ) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if args is None else args)
+    argv = fold_dotted_flags(list(sys.argv[1:] if args is None else args),
+                             "--structured-outputs-config")
     _maybe_filtered_help(self, argv)
     config_argv, config_model = read_config(self, argv)
     if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
@@ -438,6 +448,12 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         return f"--tool-call-parser {ns.tool_call_parser}: unknown; use {', '.join(TOOL_PARSERS)}"
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         return "--enable-auto-tool-choice requires --tool-call-parser"
+    try:
+        structured = parse_structured_outputs_config(ns.structured_outputs_config)
+    except ValueError as e:
+        return str(e)
+    if structured.reasoning_parser and not ns.reasoning_parser:
+        ns.reasoning_parser = structured.reasoning_parser  # vLLM's other spelling
     if ns.reasoning_parser and ns.reasoning_parser not in REASONING_PARSERS:
         known = ns.reasoning_parser in KNOWN_VLLM_REASONING_PARSERS
         what = "is not implemented yet in qwenserve" if known else "is unknown"

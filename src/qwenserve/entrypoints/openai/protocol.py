@@ -31,6 +31,23 @@ class StreamOptions(OpenAIBaseModel):
 
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` body field; unknown keys are a 400, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -44,7 +61,7 @@ class SamplingRequest(OpenAIBaseModel):
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -62,6 +79,13 @@ class SamplingRequest(OpenAIBaseModel):
     use_beam_search: bool = False
     prompt_logprobs: int | None = None
     priority: int = 0
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT64_MAX)
+    request_id: str | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -3,7 +3,7 @@
 The same per-choice parser chain turns model text into message fields whether the answer is
 streamed or not (a whole answer is one final delta), so both modes give the same result:
 
-    model text --ReasoningParser--> reasoning | content --HermesToolParser--> content | tool_calls
+    model text --ReasoningParser--> reasoning | content --ToolParser--> content | tool_calls
 """
 
 from __future__ import annotations
@@ -31,10 +31,17 @@ from qwenserve.entrypoints.openai.serving_engine import (
     log_request,
     prompt_logprobs_body,
     resolve_max_tokens,
+    truncate_prompt,
     usage,
 )
-from qwenserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from qwenserve.entrypoints.openai.tool_parsers.hermes import stream_delta
+from qwenserve.entrypoints.openai.structured import apply_constraints, forced_tool_name
+from qwenserve.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    ToolCallDelta,
+    ToolParser,
+    merge_deltas,
+)
+from qwenserve.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolsParser
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import SamplingParams
 
@@ -72,29 +79,24 @@ class ChatJob:
     parse_tools: bool
     created: int
     start_s: float
+    constraint_source: str | None = None  # the field that constrains the output, if any
 
 
 def _check_tool_choice(state: ServerState, req: ChatCompletionRequest) -> bool:
-    """Validate tools/tool_choice as vLLM does; True when tool calls are to be parsed."""
+    """Validate tools/tool_choice as vLLM does; True when the configured parser reads calls.
+    (``"required"`` and a named function need no parser: a grammar forces the calls.)"""
     choice = req.tool_choice
     if choice is not None and choice != "none" and not req.tools:
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
-    if not req.tools or choice == "none":
+    if not req.tools or choice not in (None, "auto"):
         return False
-    if choice in (None, "auto"):
-        if not (state.options.enable_auto_tool_choice and state.options.tool_call_parser):
-            raise bad_request(
-                '"auto" tool choice requires --enable-auto-tool-choice and '
-                "--tool-call-parser to be set",
-                "tool_choice",
-            )
-        return True
-    raise bad_request(
-        f"tool_choice {choice if isinstance(choice, str) else 'named function'!r} "
-        "needs structured outputs, which qwenserve does not support yet; use "
-        '"auto"',
-        "tool_choice",
-    )
+    if not (state.options.enable_auto_tool_choice and state.options.tool_call_parser):
+        raise bad_request(
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set",
+            "tool_choice",
+        )
+    return True
 
 
 def _template_kwargs(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any]:
@@ -170,7 +172,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         template_kwargs=_template_kwargs(state, req),
         documents=req.documents,
     )
-    ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    ids = truncate_prompt(req, state, state.tokenizer.encode(
+        text, add_special_tokens=req.add_special_tokens))
     if not ids:
         raise bad_request("The chat template rendered an empty prompt", "messages")
     requested = (
@@ -179,7 +182,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
     max_tokens = resolve_max_tokens(state, requested, len(ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(state, req, max_tokens, logprobs, bool(req.stream))
-    public_id, engine_id = state.request_ids("chatcmpl", request_id)
+    source = apply_constraints(state, req, params, text)
+    public_id, engine_id = state.request_ids("chatcmpl", req.request_id or request_id)
     return ChatJob(
         req,
         public_id,
@@ -191,6 +195,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         parse_tools,
         int(time.time()),
         time.monotonic(),
+        source,
     )
 
 
@@ -200,38 +205,69 @@ class ChoiceParser:
     def __init__(self, state: ServerState, job: ChatJob) -> None:
         name = state.options.reasoning_parser
         self.reasoning = REASONING_PARSERS[name](job.prompt_text) if name else None
-        tool_name = state.options.tool_call_parser
-        self.tools = TOOL_PARSERS[tool_name]() if job.parse_tools and tool_name else None
+        self.tools = _tool_parser(state, job)
         self.include_reasoning = job.request.include_reasoning
-        self.num_calls = 0
+        self.named_tool = forced_tool_name(job.request) is not None
+        # parallel_tool_calls=false under "auto": the first call only (a grammar enforces it
+        # for "required").
+        self.max_calls = 1 if job.request.parallel_tool_calls is False else None
 
     @property
     def active(self) -> bool:
         return self.reasoning is not None or self.tools is not None
 
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools is not None else 0
+
     def feed(self, text: str, final: bool) -> dict[str, Any]:
         """Model text -> the message fields it settles (a streamed ``delta``)."""
+        delta, calls = self._parse(text, final)
+        if calls:
+            delta["tool_calls"] = [c.to_openai() for c in calls]
+        return delta
+
+    def whole(self, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A whole answer: (message fields but tool calls, whole tool calls)."""
+        delta, calls = self._parse(text, final=True)
+        return delta, merge_deltas(calls)
+
+    def _parse(self, text: str, final: bool) -> tuple[dict[str, Any], list[ToolCallDelta]]:
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
-        calls: list[dict[str, Any]] = []
+        calls: list[ToolCallDelta] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)
+            if self.max_calls is not None:
+                calls = [c for c in calls if c.index < self.max_calls]
         delta: dict[str, Any] = {}
         if reasoning and self.include_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content or not self.active:
             delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [stream_delta(c, self.num_calls + i) for i, c in enumerate(calls)]
-            self.num_calls += len(calls)
-        return delta
+        return delta, calls
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.num_calls and reason is not None else reason
+        """"tool_calls" when calls were made, except for a named function (OpenAI: "stop")."""
+        called = self.num_calls and not self.named_tool
+        return "tool_calls" if called and reason is not None else reason
+
+
+def _tool_parser(state: ServerState, job: ChatJob) -> ToolParser | None:
+    """The forced-shape parser for tool_choice required/named, else the configured one."""
+    name = forced_tool_name(job.request)
+    if name is not None:
+        return NamedToolParser(name)
+    if job.request.tool_choice == "required" and job.request.tools:
+        return RequiredToolsParser()
+    tool_name = state.options.tool_call_parser
+    if not job.parse_tools or not tool_name:
+        return None
+    return TOOL_PARSERS[tool_name]([t.model_dump(exclude_none=True) for t in job.request.tools])
 
 
 def _message(state: ServerState, job: ChatJob, comp: CompletionOutput) -> tuple[dict, str]:
     parser = ChoiceParser(state, job)
-    delta = parser.feed(comp.text, final=True)
+    delta, calls = parser.whole(comp.text)
     reasoning = delta.get("reasoning")
     if (
         reasoning is None
@@ -240,7 +276,6 @@ def _message(state: ServerState, job: ChatJob, comp: CompletionOutput) -> tuple[
         and parser.include_reasoning
     ):
         reasoning = ""
-    calls = [{k: v for k, v in c.items() if k != "index"} for c in delta.get("tool_calls", [])]
     content = delta.get("content")
     message = {
         "role": state.options.response_role,

@@ -22,9 +22,11 @@ from qwenserve.entrypoints.openai.serving_engine import (
     log_request,
     prompt_logprobs_body,
     resolve_max_tokens,
+    truncate_prompt,
     usage,
 )
 from qwenserve.entrypoints.openai.streaming import DONE, chain_first, merge_async_iterators, sse
+from qwenserve.entrypoints.openai.structured import apply_constraints
 from qwenserve.outputs import RequestOutput
 from qwenserve.sampling_params import SamplingParams
 
@@ -47,6 +49,7 @@ class CompletionJob:
     prompts: list[_Prompt]
     created: int
     start_s: float
+    constraint_source: str | None = None  # the field that constrains the output, if any
 
     @property
     def n(self) -> int:
@@ -67,11 +70,10 @@ def prepare_completion(
     state: ServerState, req: CompletionRequest, request_id: str | None
 ) -> CompletionJob:
     model = state.check_model(req.model)
-    if req.suffix is not None:
-        raise bad_request("suffix is not currently supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported by qwenserve yet", "best_of")
     prompts = []
+    source = None
     for item in _prompt_list(req.prompt):
         if isinstance(item, str):
             ids = state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
@@ -79,14 +81,17 @@ def prepare_completion(
         else:
             ids, text = list(item), None
             state.check_prompt_ids(ids)
+        ids = truncate_prompt(req, state, ids)
         if not ids:
             raise bad_request("The prompt is empty; give at least one token", "prompt")
         max_tokens = resolve_max_tokens(state, req.max_tokens, len(ids))
         params = build_sampling_params(state, req, max_tokens, req.logprobs, bool(req.stream))
+        prompt_text = text if text is not None else state.tokenizer.decode(ids)
+        source = apply_constraints(state, req, params, prompt_text)
         prompts.append(_Prompt(text, ids, params))
-    public_id, engine_id = state.request_ids("cmpl", request_id)
+    public_id, engine_id = state.request_ids("cmpl", req.request_id or request_id)
     return CompletionJob(
-        req, public_id, engine_id, model, prompts, int(time.time()), time.monotonic()
+        req, public_id, engine_id, model, prompts, int(time.time()), time.monotonic(), source
     )
 
 

@@ -16,10 +16,13 @@ from qwenserve.entrypoints.openai.errors import (
     from_value_error,
     model_not_found,
 )
-from qwenserve.entrypoints.openai.protocol import SamplingRequest
+from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest
+from qwenserve.entrypoints.openai.request_fields import refuse_unsupported
 from qwenserve.logger import init_logger
 from qwenserve.outputs import Logprob
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
+from qwenserve.structured_output.config import StructuredOutputsConfig
+from qwenserve.structured_output.service import GrammarService
 
 logger = init_logger("qwenserve.entrypoints.openai")
 
@@ -52,6 +55,7 @@ class ServingOptions:
     max_log_len: int | None = None
     generation_overrides: dict[str, Any] = field(default_factory=dict)
     generation_config: str = "auto"  # --generation-config: auto | vllm | a folder
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 class ServerState:
@@ -81,6 +85,15 @@ class ServerState:
         self.created = int(time.time())
         self.draining = False
         self._counter = itertools.count()
+        self._grammars: GrammarService | None = None
+
+    def grammar_service(self) -> GrammarService:
+        """The grammar compiler (shared with an in-process engine: one compile per spec)."""
+        if self._grammars is None:
+            from qwenserve.structured_output.service import model_grammar_service
+
+            self._grammars = model_grammar_service(self.engine.config.model, self.tokenizer)
+        return self._grammars
 
     def check_model(self, model: str | None) -> str:
         """The name to report for ``model``; 404 for a name this server does not serve."""
@@ -103,24 +116,32 @@ class ServerState:
 
 
 def check_unsupported(req: SamplingRequest) -> None:
-    """Fields qwenserve understands but cannot honour yet: refuse them rather than ignore."""
+    """Fields qwenserve understands but cannot honour: refuse them rather than ignore."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("Stream options can only be defined when stream=True.", "stream_options")
-    if req.use_beam_search:
-        raise bad_request("beam search is not supported by qwenserve yet", "use_beam_search")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by qwenserve yet", "logit_bias")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format {req.response_format.type!r} needs structured "
-            "outputs, which qwenserve does not support yet",
-            "response_format",
-        )
-    if req.priority:
-        raise bad_request(
-            "priority scheduling is not enabled (qwenserve schedules first come, first served)",
-            "priority",
-        )
+    refuse_unsupported(req, "chat" if isinstance(req, ChatCompletionRequest) else "completion")
+
+
+def truncate_prompt(req: SamplingRequest, state: ServerState, token_ids: list[int]) -> list[int]:
+    """``truncate_prompt_tokens`` (-1: max_model_len) from ``truncation_side`` (left: keep the
+    end of the prompt, as vLLM's default)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
+    k = state.max_model_len if k == -1 else k
+    return token_ids[:k] if req.truncation_side == "right" else token_ids[-k:]
+
+
+def _logit_bias(req: SamplingRequest) -> dict[int, float] | None:
+    if not req.logit_bias:
+        return None
+    try:
+        return {int(token): float(bias) for token, bias in req.logit_bias.items()}
+    except ValueError as e:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                          "logit_bias") from e
 
 
 def resolve_max_tokens(
@@ -189,6 +210,9 @@ def build_sampling_params(
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            logit_bias=_logit_bias(req),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
     except (ValueError, TypeError) as e:
         raise from_value_error(ValueError(str(e))) from e

@@ -11,8 +11,8 @@ As the reasoning parser, one incremental state machine serves streaming and whol
     TEXT --"<tool_call>"--> CALL --"</tool_call>"--> AFTER --"<tool_call>"--> CALL ...
 
 Text before the first call is content (a possible partial ``<tool_call>`` at a delta's end is
-held back). A call is emitted whole when its closing tag arrives (or the output ends), with id,
-name and arguments in one delta, which OpenAI clients accumulate like vLLM's finer fragments.
+held back). A call is emitted when its closing tag arrives (or the output ends): its name, then
+its arguments, which OpenAI clients accumulate like vLLM's finer fragments.
 Text between and after calls is dropped, as vLLM's non-streaming parser does. A call whose body is
 not a JSON object with a ``name`` goes out verbatim as content instead.
 """
@@ -20,20 +20,15 @@ not a JSON object with a ``name`` goes out verbatim as content instead.
 from __future__ import annotations
 
 import json
-import uuid
-from typing import Any
 
 from qwenserve.entrypoints.openai.reasoning.qwen3 import partial_suffix_len
+from qwenserve.entrypoints.openai.tool_parsers.base import ToolCallDelta, ToolParser
 
 _TEXT, _CALL, _AFTER = "text", "call", "after"
 
 
-def make_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def parse_call(body: str) -> dict[str, Any] | None:
-    """``{"name": ..., "arguments": {...}}`` -> an OpenAI tool call, or None if malformed."""
+def parse_call(body: str) -> tuple[str, str] | None:
+    """``{"name": ..., "arguments": {...}}`` -> (name, arguments JSON), or None if malformed."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -42,37 +37,27 @@ def parse_call(body: str) -> dict[str, Any] | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return {
-        "id": make_tool_call_id(),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": arguments},
-    }
+    return obj["name"], arguments
 
 
-class HermesToolParser:
+class HermesToolParser(ToolParser):
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
         self._state = _TEXT
         self._buf = ""
-        self.calls: list[dict[str, Any]] = []
 
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
-        """Add content text; returns (content now certain, tool calls completed now)."""
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         self._buf += delta
         content: list[str] = []
-        calls: list[dict[str, Any]] = []
+        calls: list[ToolCallDelta] = []
         while self._step(content, calls, final):
             pass
-        self.calls.extend(calls)
         return "".join(content), calls
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        content, calls = self.feed(text, final=True)
-        return content or None, calls
-
-    def _step(self, content: list[str], calls: list[dict[str, Any]], final: bool) -> bool:
+    def _step(self, content: list[str], calls: list[ToolCallDelta], final: bool) -> bool:
         """Consume what the buffer settles; returns True to go on, False to wait for text."""
         if self._state == _CALL:
             return self._take_call(content, calls, final)
@@ -89,7 +74,7 @@ class HermesToolParser:
         self._buf = self._buf[len(self._buf) - keep :]
         return False
 
-    def _take_call(self, content: list[str], calls: list[dict[str, Any]], final: bool) -> bool:
+    def _take_call(self, content: list[str], calls: list[ToolCallDelta], final: bool) -> bool:
         index = self._buf.find(self.end_tag)
         if index < 0 and not final:
             return False
@@ -98,19 +83,9 @@ class HermesToolParser:
         self._buf = "" if index < 0 else self._buf[index + len(self.end_tag) :]
         call = parse_call(body.strip())
         if call is not None:
-            calls.append(call)
+            calls += [self._start_call(call[0]), self._arguments(call[1])]
             self._state = _AFTER
         else:
             content.append(self.start_tag + body + closing)
-            self._state = _TEXT if not self.calls and not calls else _AFTER
+            self._state = _TEXT if not self.num_calls else _AFTER
         return index >= 0
-
-
-def stream_delta(call: dict[str, Any], index: int) -> dict[str, Any]:
-    """A completed call as a streamed ``DeltaToolCall``."""
-    return {
-        "index": index,
-        "id": call["id"],
-        "type": "function",
-        "function": dict(call["function"]),
-    }
