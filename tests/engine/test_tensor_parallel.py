@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import time
 
 import pytest
 
+from helpers.ports import free_port
 from qwenserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
@@ -46,12 +46,6 @@ def test_heads_must_divide(tiny_model):
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         LLM(tiny_model("qwen2"), dtype="float32", tensor_parallel_size=3)
 
-
-def free_port() -> int:
-    """A port for MASTER_PORT, as a user would pick one (only the engine holds its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _script(body: str) -> str:

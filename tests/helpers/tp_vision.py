@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from helpers.tiny_vision import vision_config
 
 
-def run_rank(rank: int, world_size: int, init_method: str, family: str, weights_path: str,
+def run_rank(rank: int, world_size: int, port: int, family: str, weights_path: str,
              inputs_path: str, out_path: str) -> None:
     """Build the tower sharded ``world_size`` ways, run it, and save rank 0's output."""
-    from qwenserve.distributed.init import Rendezvous, init_parallel_group
+    from qwenserve.distributed.init import LOOPBACK, Rendezvous, init_parallel_group
     from qwenserve.models.vision.tower import Qwen3VisionTower
 
     torch.set_num_threads(1)
-    tp = init_parallel_group("gloo", rank, Rendezvous(init_method, world_size), timeout_s=120)
+    # Rank 0 serves the store on a socket it binds itself (the engine's parent holds it instead).
+    listener = socket.create_server((LOOPBACK, port)) if rank == 0 else None
+    tp = init_parallel_group("gloo", rank, Rendezvous(LOOPBACK, port, world_size), listener,
+                             timeout_s=120)
     cfg = vision_config(family)
     tower = Qwen3VisionTower(cfg, torch.float32, tp)
     assert tower.blocks[0].attn.num_heads == cfg.num_heads // world_size  # really sharded

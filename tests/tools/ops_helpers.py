@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.ports import free_port
 from qwenserve.entrypoints.cli import main
 
 DATA = Path(__file__).parent / "data"
@@ -211,12 +212,6 @@ def build_ascend_host(
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     host.source_set_env(monkeypatch)
     return host
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:

@@ -6,8 +6,8 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers.tiny_vision import hf_vision_model, random_pixels, vision_config
+from helpers.ports import free_port
 from helpers.tp_vision import run_rank
-from qwenserve.distributed.init import free_port
 from qwenserve.models.vision.tower import Qwen3VisionTower
 
 GRIDS = [(1, 4, 6), (1, 2, 2), (1, 8, 4)]
@@ -19,8 +19,7 @@ def test_tp2_equals_tp1(tmp_path):
     torch.save(hf.state_dict(), weights)
     pixels = random_pixels(GRIDS, seed=6)
     torch.save((pixels, GRIDS), inputs)
-    init = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(run_rank, args=(2, init, "qwen3_vl", str(weights), str(inputs), str(out)),
+    mp.spawn(run_rank, args=(2, free_port(), "qwen3_vl", str(weights), str(inputs), str(out)),
              nprocs=2, join=True)
     sharded = torch.load(out)
     single = Qwen3VisionTower(vision_config("qwen3_vl"), torch.float32)
