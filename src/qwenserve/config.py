@@ -15,6 +15,7 @@ from typing import Any
 
 from qwenserve import envs
 from qwenserve.core.scheduler import SchedulerLimits
+from qwenserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 QUANTIZATIONS = ("compressed-tensors", "ascend", "int8", "w8a8")
@@ -90,6 +91,10 @@ class EngineArgs:
                                               group="SchedulerConfig", type=human_readable_int)
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", default=1,
                                      group="ParallelConfig", type=int, aliases=("-tp",))
+    speculative_config: Any = _opt(
+        "Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": 3} (docs/spec_decode.md).", group="SpeculativeConfig")
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -137,6 +142,7 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        speculative = parse_speculative_config(self.speculative_config)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -150,11 +156,15 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=model_config.max_model_len,
+                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                spec_disable_by_batch_size=speculative.disable_by_batch_size
+                if speculative else None,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            speculative=speculative,
         )
 
 
@@ -190,3 +200,4 @@ class EngineConfig:
     platform_name: str
     seed: int = 0
     max_logprobs: int = 20
+    speculative: SpeculativeConfig | None = None

@@ -6,6 +6,11 @@ waiting requests in arrival order (FCFS; a long prompt is prefilled over several
 cache runs out of blocks, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later. Nothing is lost: its
 output tokens are kept and recomputed as part of its prompt.
+
+Speculative decoding: a decode whose request has draft tokens (proposed by the workers after the
+previous step) takes 1 + k tokens of the budget; the workers verify them in the same forward
+pass and ``update`` keeps the KV of the accepted ones only (``num_computed_tokens`` stops after
+them; the blocks stay with the request and are overwritten by the next tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from qwenserve.core.sched_output import (
     SchedulerOutput,
 )
 from qwenserve.request import Request, RequestStatus
+from qwenserve.spec_decode.stats import SpecDecodingStats
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    num_speculative_tokens: int = 0  # most draft tokens verified per request and step
+    spec_disable_by_batch_size: int | None = None  # no drafts while this many requests run
 
 
 @dataclass
@@ -50,6 +58,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     finished: list[Request] = field(default_factory=list)  # since the last stats() call
+    spec_decoding: SpecDecodingStats | None = None  # since the last stats() call
 
 
 class Scheduler:
@@ -62,6 +71,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # workers drop their state for these next step
         self._finished: list[Request] = []  # for stats, drained by stats()
         self.num_preemptions = 0
+        self._spec_stats = SpecDecodingStats()
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -109,6 +119,8 @@ class Scheduler:
             req = self.running[i]
             num_new = self._chunk_len(req, req.num_computed_tokens,
                                       min(req.num_tokens - req.num_computed_tokens, budget))
+            drafts = self._drafts(req, num_new, budget)
+            num_new += len(drafts)
             new_blocks = self.cache.allocate(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # the most recently admitted, never one scheduled
@@ -117,7 +129,7 @@ class Scheduler:
                 if victim is req:
                     return budget
                 new_blocks = self.cache.allocate(req, num_new)
-            out.chunks.append(self._chunk(req, num_new, new_blocks))
+            out.chunks.append(self._chunk(req, num_new, new_blocks, drafts))
             budget -= num_new
             i += 1
         return budget
@@ -154,6 +166,19 @@ class Scheduler:
             out.chunks.append(self._chunk(req, num_new, []))
             budget -= num_new
 
+    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The request's draft tokens to verify in this step's decode: at most what the budget,
+        ``max_tokens`` (k drafts may emit k + 1 tokens) and ``max_model_len`` leave room for."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        limit = self.limits.spec_disable_by_batch_size
+        if (not drafts or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1
+                or (limit is not None and len(self.running) >= limit)):
+            return []
+        room = min(self.limits.num_speculative_tokens, budget - 1,
+                   req.max_tokens - req.num_output_tokens - 1,
+                   self.limits.max_model_len - req.num_tokens)
+        return drafts[: max(room, 0)]
+
     def _chunk_len(self, req: Request, start: int, num_new: int) -> int:
         """Hybrid models with prefix caching stop a prefill once at the request's checkpoint
         position, so that its recurrent state can be saved there (``_save_states``)."""
@@ -175,20 +200,24 @@ class Scheduler:
                     out.state_saves.append(copy)
                     taken.add(copy[1])
 
-    def _chunk(self, req: Request, num_new: int, new_blocks: list[int]) -> ScheduledChunk:
+    def _chunk(self, req: Request, num_new: int, new_blocks: list[int],
+               drafts: list[int] | None = None) -> ScheduledChunk:
         start = req.num_computed_tokens
+        num_known = num_new - len(drafts or [])
         return ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.token_ids_slice(start, start + num_new),
+            token_ids=req.token_ids_slice(start, start + num_known) + (drafts or []),
             start_pos=start,
             new_block_ids=new_blocks,
-            sample=start + num_new == req.num_tokens,
+            sample=start + num_known == req.num_tokens,
+            num_draft_tokens=len(drafts or []),
         )
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -200,19 +229,31 @@ class Scheduler:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            req.num_computed_tokens += len(chunk.token_ids)
-            self.cache.cache_full_blocks(req)
+            req.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
             if req.request_id in model_out.prompt_logprobs:
                 _collect_prompt_logprobs(req, *model_out.prompt_logprobs[req.request_id])
             if not chunk.sample:
+                self.cache.cache_full_blocks(req)
                 continue
-            token = model_out.sampled[req.request_id]
-            req.output_token_ids.append(token.token_id)
-            status = self._stop_status(req, token.token_id)
+            tokens = (model_out.accepted.get(req.request_id, [])
+                      + [model_out.sampled[req.request_id]])
+            if chunk.num_draft_tokens:
+                self._spec_stats.observe(chunk.num_draft_tokens, len(tokens) - 1)
+            status = None
+            for token in tokens:  # a stop (or max_tokens) ends the step's tokens early
+                req.output_token_ids.append(token.token_id)
+                status = self._stop_status(req, token.token_id)
+                updates.append(RequestUpdate(req, token, status is not None))
+                if status is not None:
+                    break
+            # The KV holds every token but the last one emitted: the accepted drafts included.
+            req.num_computed_tokens = req.num_tokens - 1
+            self.cache.cache_full_blocks(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            updates.append(RequestUpdate(req, token, status is not None))
+            else:
+                req.spec_token_ids = model_out.draft_token_ids.get(req.request_id, [])
         return updates
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
@@ -235,6 +276,7 @@ class Scheduler:
     # ---- observation --------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         finished, self._finished = self._finished, []
+        spec, self._spec_stats = self._spec_stats, SpecDecodingStats()
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -243,6 +285,7 @@ class Scheduler:
             prefix_cache_hits=self.cache.stats.hits,
             num_preemptions=self.num_preemptions,
             finished=finished,
+            spec_decoding=spec if self.limits.num_speculative_tokens else None,
         )
 
 

@@ -32,6 +32,8 @@ from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
 from qwenserve.platforms import resolve_platform
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode.proposer import NgramLookup, Proposer
+from qwenserve.spec_decode.support import check_speculative
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.model_runner import ModelRunner
@@ -53,6 +55,7 @@ class Worker:
         self.attn_backend = get_attention_backend(self.platform.default_attention_backend)
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
                                                 self.dtype.itemsize)
+        check_speculative(config, self.specs)
         self.model: Any = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -166,7 +169,14 @@ class Worker:
             if self.tp.is_driver else None
         self.runner = ModelRunner(self.model, caches, self.attn_backend, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed, recurrent,
-                                  grammars)
+                                  grammars, self._proposer())
+
+    def _proposer(self) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None or not self.tp.is_driver:
+            return None
+        return NgramLookup(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                           spec.num_speculative_tokens)
 
     def warm_up(self) -> None:
         """Run one small prefill and one decode so the first request does not pay for kernel

@@ -39,7 +39,6 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
-    (("--speculative-config",), {}, (None,)),
     (("--compilation-config", "-cc"), {}, (None,)),
     (("--additional-config",), {}, (None,)),
     (("--hf-overrides",), {}, (None,)),
