@@ -71,7 +71,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # workers drop their state for these next step
         self._finished: list[Request] = []  # for stats, drained by stats()
         self.num_preemptions = 0
-        self._spec_stats = SpecDecodingStats()
+        self._spec_stats = SpecDecodingStats()  # since the last stats() call
+        self.spec_totals = SpecDecodingStats()  # since start
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -239,6 +240,7 @@ class Scheduler:
                       + [model_out.sampled[req.request_id]])
             if chunk.num_draft_tokens:
                 self._spec_stats.observe(chunk.num_draft_tokens, len(tokens) - 1)
+                self.spec_totals.observe(chunk.num_draft_tokens, len(tokens) - 1)
             status = None
             for token in tokens:  # a stop (or max_tokens) ends the step's tokens early
                 req.output_token_ids.append(token.token_id)
