@@ -236,7 +236,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         engine_stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
                                    s.prefix_cache_queries, s.prefix_cache_hits,
-                                   s.num_preemptions, iteration)
+                                   s.num_preemptions, iteration, s.spec_decoding)
         for stat_logger in self.stat_loggers:
             stat_logger.record(engine_stats)
 

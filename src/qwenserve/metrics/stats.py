@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qwenserve.spec_decode.stats import SpecDecodingStats
+
 
 @dataclass
 class FinishedRequestStats:
@@ -41,3 +43,4 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     iteration: IterationStats
+    spec_decoding: SpecDecodingStats | None = None  # since the last record; None: not speculating
