@@ -143,6 +143,11 @@ class EngineArgs:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
         speculative = parse_speculative_config(self.speculative_config)
+        draft_model = None
+        if speculative is not None and speculative.model:  # the drafter, in the target's dtype
+            draft_model = resolve_model_config(
+                EngineArgs(model=speculative.model, dtype=model_config.dtype,
+                           revision=None, download_dir=self.download_dir), platform)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -159,12 +164,15 @@ class EngineArgs:
                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
                 spec_disable_by_batch_size=speculative.disable_by_batch_size
                 if speculative else None,
+                # a drafter writes k positions past the verified ones: allocate them too
+                num_lookahead_tokens=speculative.num_speculative_tokens if draft_model else 0,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             speculative=speculative,
+            draft_model=draft_model,
         )
 
 
@@ -201,3 +209,4 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     speculative: SpeculativeConfig | None = None
+    draft_model: Any = None  # the drafter's ModelConfig (speculative method draft_model)

@@ -38,6 +38,7 @@ class SchedulerLimits:
     max_model_len: int
     num_speculative_tokens: int = 0  # most draft tokens verified per request and step
     spec_disable_by_batch_size: int | None = None  # no drafts while this many requests run
+    num_lookahead_tokens: int = 0  # slots allocated past a step's tokens (a drafter's KV)
 
 
 @dataclass
@@ -122,14 +123,14 @@ class Scheduler:
                                       min(req.num_tokens - req.num_computed_tokens, budget))
             drafts = self._drafts(req, num_new, budget)
             num_new += len(drafts)
-            new_blocks = self.cache.allocate(req, num_new)
+            new_blocks = self.cache.allocate(req, num_new + self._lookahead(req, num_new))
             while new_blocks is None:
                 victim = self.running.pop()  # the most recently admitted, never one scheduled
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is req:
                     return budget
-                new_blocks = self.cache.allocate(req, num_new)
+                new_blocks = self.cache.allocate(req, num_new + self._lookahead(req, num_new))
             out.chunks.append(self._chunk(req, num_new, new_blocks, drafts))
             budget -= num_new
             i += 1
@@ -145,7 +146,9 @@ class Scheduler:
             num_hit = len(hit_blocks) * self.cache.block_size
             checkpoint = self.cache.checkpoint_slot(req, len(hit_blocks))
             num_new = self._chunk_len(req, num_hit, min(req.num_tokens - num_hit, budget))
-            if self.cache.allocate(req, num_new, hit_blocks, keep_slot=checkpoint) is None:
+            lookahead = self._lookahead(req, num_hit + num_new - req.num_computed_tokens)
+            if self.cache.allocate(req, num_new + lookahead, hit_blocks,
+                                   keep_slot=checkpoint) is None:
                 break  # FCFS: later requests wait behind this one
             if checkpoint is not None:
                 out.state_restores.append(self.cache.restore_state(req, checkpoint))
@@ -166,6 +169,11 @@ class Scheduler:
             ))
             out.chunks.append(self._chunk(req, num_new, []))
             budget -= num_new
+
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        """Extra slots after this step's tokens (within max_model_len) for a drafter's KV."""
+        end = req.num_computed_tokens + num_new
+        return max(0, min(self.limits.num_lookahead_tokens, self.limits.max_model_len - end))
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens to verify in this step's decode: at most what the budget,

@@ -100,6 +100,8 @@ class ModelRunner:
         batch = self._prepare(chunks)
         self._copy_states(sched.state_restores)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
+        if self.proposer is not None:
+            self.proposer.forward(batch)
         self._copy_states(sched.state_saves)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))

@@ -32,6 +32,7 @@ from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
 from qwenserve.platforms import resolve_platform
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode.draft_model import DraftModelProposer
 from qwenserve.spec_decode.proposer import NgramLookup, Proposer
 from qwenserve.spec_decode.support import check_speculative
 from qwenserve.structured_output.request_grammars import RequestGrammars
@@ -55,7 +56,13 @@ class Worker:
         self.attn_backend = get_attention_backend(self.platform.default_attention_backend)
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
                                                 self.dtype.itemsize)
-        check_speculative(config, self.specs)
+        # Speculative decoding with a draft model: its own paged KV group in the same budget.
+        draft = config.draft_model
+        self.draft_cls = load_model_class(draft.architecture) if draft is not None else None
+        self.draft_specs = [] if draft is None else self.draft_cls.cache_specs(
+            draft.hf_config, tp.world_size, self.dtype.itemsize)
+        self.draft_model: Any = None
+        check_speculative(config, self.specs, self.draft_specs)
         self.model: Any = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -64,13 +71,18 @@ class Worker:
     # ---- start-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
-        mc = self.config.model
+        self.model = self._load(self.config.model, self.model_cls, self._quant())
+        if self.draft_cls is not None:
+            self.draft_model = self._load(self.config.draft_model, self.draft_cls, None)
+        self.load_s = time.perf_counter() - start
+
+    def _load(self, mc: Any, model_cls: Any, quant: Any) -> Any:
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
                            max_model_len=mc.max_model_len, tp=self.tp,
-                           attn_backend=self.attn_backend, quant=self._quant())
+                           attn_backend=self.attn_backend, quant=quant)
         try:
             with torch.device(self.device):
-                model = self.model_cls(ctx)
+                model = model_cls(ctx)
             model.load_weights(iter_weights(mc.source, mc.hf_config),
                                mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
@@ -83,8 +95,7 @@ class Worker:
                 f"{self.device}. Use more devices (--tensor-parallel-size), a quantized "
                 "checkpoint (--quantization), or a smaller model."
             ) from e
-        self.model = model.eval()
-        self.load_s = time.perf_counter() - start
+        return model.eval()
 
     def _quant(self) -> Any:
         if self.config.model.quantization is None:
@@ -131,14 +142,15 @@ class Worker:
     def plan_cache(self) -> CachePlan:
         cache, sched = self.config.cache, self.config.scheduler
         override = cache.num_gpu_blocks_override
+        specs = self.specs + self.draft_specs
         if override is None:
-            return plan_cache(self.specs, self.cache_budget_bytes(), cache.block_size,
+            return plan_cache(specs, self.cache_budget_bytes(), cache.block_size,
                               sched.max_num_seqs, sched.max_model_len)
         # Testing knob: exactly `override` KV blocks (state slots sized as usual).
-        per_seq = sum(s.bytes_per_seq for s in self.specs if isinstance(s, RecurrentStateSpec))
+        per_seq = sum(s.bytes_per_seq for s in specs if isinstance(s, RecurrentStateSpec))
         roomy = 2 * (sched.max_num_seqs + 1) * per_seq + (override + 1) * cache.block_size * sum(
-            s.bytes_per_token for s in self.specs if isinstance(s, PagedKVSpec))
-        plan = plan_cache(self.specs, roomy, cache.block_size, sched.max_num_seqs, 1)
+            s.bytes_per_token for s in specs if isinstance(s, PagedKVSpec))
+        plan = plan_cache(specs, roomy, cache.block_size, sched.max_num_seqs, 1)
         plan = dataclasses.replace(plan, num_blocks=override)
         if plan.token_capacity < sched.max_model_len:
             raise CacheTooSmallError(f"num_gpu_blocks_override={override} holds "
@@ -148,18 +160,10 @@ class Worker:
 
     def init_cache(self, plan: CachePlan) -> None:
         self.plan = plan
-        num_slots = plan.num_blocks * plan.block_size
         caches: list[Any] = [None] * self.config.model.num_hidden_layers
         for spec in self.specs:
             if isinstance(spec, PagedKVSpec):
-                for layer_id in spec.layer_ids:
-                    # Left uninitialised (zeroing GiBs costs seconds at start-up): attention
-                    # reads only written slots, block 0 (zeroed: padding reads it) and the tail
-                    # of a context's last block, which the backend zeroes after its gather.
-                    kv = torch.empty(2, num_slots, spec.num_kv_heads, spec.head_dim,
-                                     dtype=self.dtype, device=self.device)  # [K|V, slots, Hkv, D]
-                    kv[:, : plan.block_size].zero_()
-                    caches[layer_id] = kv
+                self._allocate_kv(spec, caches, plan)
             else:
                 for layer_id, state in zip(spec.layer_ids, self.model.allocate_state(
                         plan.num_state_slots, self.device)):
@@ -169,14 +173,32 @@ class Worker:
             if self.tp.is_driver else None
         self.runner = ModelRunner(self.model, caches, self.attn_backend, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed, recurrent,
-                                  grammars, self._proposer())
+                                  grammars, self._proposer(plan))
 
-    def _proposer(self) -> Proposer | None:
+    def _allocate_kv(self, spec: PagedKVSpec, caches: list[Any], plan: CachePlan) -> None:
+        num_slots = plan.num_blocks * plan.block_size
+        for layer_id in spec.layer_ids:
+            # Left uninitialised (zeroing GiBs costs seconds at start-up): attention reads only
+            # written slots, block 0 (zeroed: padding reads it) and the tail of a context's last
+            # block, which the backend zeroes after its gather.
+            kv = torch.empty(2, num_slots, spec.num_kv_heads, spec.head_dim,
+                             dtype=self.dtype, device=self.device)  # [K|V, slots, Hkv, D]
+            kv[:, : plan.block_size].zero_()
+            caches[layer_id] = kv
+
+    def _proposer(self, plan: CachePlan) -> Proposer | None:
         spec = self.config.speculative
         if spec is None or not self.tp.is_driver:
             return None
-        return NgramLookup(spec.prompt_lookup_min, spec.prompt_lookup_max,
-                           spec.num_speculative_tokens)
+        if self.draft_model is None:
+            return NgramLookup(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                               spec.num_speculative_tokens, spec.disable_by_batch_size)
+        caches: list[Any] = [None] * self.config.draft_model.num_hidden_layers
+        for kv_spec in self.draft_specs:  # dense drafters only (check_speculative)
+            self._allocate_kv(kv_spec, caches, plan)
+        return DraftModelProposer(self.draft_model, caches, self.attn_backend, plan.block_size,
+                                  self.device, spec.num_speculative_tokens,
+                                  spec.disable_by_batch_size)
 
     def warm_up(self) -> None:
         """Run one small prefill and one decode so the first request does not pay for kernel
