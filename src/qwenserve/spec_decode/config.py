@@ -108,6 +108,8 @@ def _int(value: dict[str, Any], key: str, default: int | None) -> int | None:
     got = value.get(key, default)
     if got is None:
         return None
+    if isinstance(got, str) and got.strip().isdigit():  # dotted flags give strings
+        return int(got)
     if isinstance(got, bool) or not isinstance(got, int):
         raise ValueError(f"--speculative-config {key} must be an integer, got {got!r}")
     return got

@@ -18,6 +18,7 @@ from typing import Any
 from qwenserve.config import EngineArgs, human_readable_int
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
+from qwenserve.spec_decode.config import parse_speculative_config
 from qwenserve.structured_output.config import (
     fold_dotted_flags,
     parse_structured_outputs_config,
@@ -321,6 +322,7 @@ def _parse_known_args(
 ) -> tuple[argparse.Namespace, list[str]]:
     argv = fold_dotted_flags(list(sys.argv[1:] if args is None else args),
                              "--structured-outputs-config")
+    argv = fold_dotted_flags(argv, "--speculative-config")
     _maybe_filtered_help(self, argv)
     config_argv, config_model = read_config(self, argv)
     if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
@@ -449,6 +451,7 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         return "--enable-auto-tool-choice requires --tool-call-parser"
     try:
         structured = parse_structured_outputs_config(ns.structured_outputs_config)
+        parse_speculative_config(ns.speculative_config)
     except ValueError as e:
         return str(e)
     if structured.reasoning_parser and not ns.reasoning_parser:
