@@ -64,6 +64,9 @@ class Rigged:
         self.next = {tuple(p): out for p, out in zip(PROMPTS, expected)}
         self.wrong_at = wrong_at
 
+    def forward(self, batch):
+        pass
+
     def propose(self, request_ids, requests):
         out = {}
         for rid in request_ids:
@@ -160,7 +163,26 @@ def test_seeded_sampling_runs_and_is_reproducible(spec, runner, expected):
     assert ids(gen(spec, params)) == ids(gen(spec, params))
 
 
-def test_hybrid_models_refuse_with_the_reason(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_hybrid_models_roll_their_state_back(tiny_model, arch):
+    """Gated DeltaNet state after a rejection is recomputed over the kept tokens: greedy
+    output equals plain decoding with drafts right, wrong at 1 and wrong at 0, under prefix
+    caching (state checkpoints) and chunked prefill."""
+    path = tiny_model(arch)
+    plain = _llm(path)
+    prompts = PROMPTS[:3]
+    expected = ids(gen(plain, GREEDY, prompts))
+    spec = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": K})
+    runner = spec.llm_engine.executor.worker.runner
+    for wrong_at in (None, 1, 0):
+        runner.proposer = Rigged(expected, wrong_at)
+        assert ids(gen(spec, GREEDY, prompts)) == expected, wrong_at
+    assert spec.llm_engine.cache.stats.hits > 0
+    totals = spec.llm_engine.scheduler.spec_totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+
+
+def test_hybrid_with_tp_refused_with_the_reason(tiny_model):
     with pytest.raises(ValueError, match="recurrent state"):
-        LLM(tiny_model("qwen3_5"), dtype="float32", max_model_len=64,
+        LLM(tiny_model("qwen3_5"), dtype="float32", max_model_len=64, tensor_parallel_size=2,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})

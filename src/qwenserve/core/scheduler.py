@@ -201,8 +201,8 @@ class Scheduler:
         (after every allocation of the step: no request of it may be handed a checkpoint's
         slot). The workers copy them after the forward pass."""
         taken: set[int] = set()
-        for chunk in out.chunks:
-            if len(chunk.token_ids) > 1:
+        for chunk in out.chunks:  # verify chunks (drafts) are decodes: nothing to save
+            if len(chunk.token_ids) - chunk.num_draft_tokens > 1:
                 end = chunk.start_pos + len(chunk.token_ids)
                 copy = self.cache.save_state(self.requests[chunk.request_id], end, taken)
                 if copy is not None:

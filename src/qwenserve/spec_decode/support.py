@@ -13,12 +13,13 @@ def check_speculative(config: Any, specs: list[CacheSpec],
     spec = config.speculative
     if spec is None:
         return
-    if any(isinstance(s, RecurrentStateSpec) for s in specs):
+    if (any(isinstance(s, RecurrentStateSpec) for s in specs)
+            and config.parallel.tensor_parallel_size > 1):
         raise ValueError(
-            f"--speculative-config: speculative decoding on {config.model.architecture} (a "
-            "hybrid model with Gated DeltaNet layers) is not implemented yet: rejected draft "
-            "tokens would need the recurrent state rolled back to the last accepted token. "
-            "Remove --speculative-config for this model.")
+            f"--speculative-config on {config.model.architecture} (a hybrid model with Gated "
+            "DeltaNet layers) with --tensor-parallel-size > 1 is not implemented yet: every "
+            "rank would need the accepted counts to roll its recurrent state back. Use TP=1 "
+            "or remove --speculative-config.")
     draft = config.draft_model
     if draft is None:
         return

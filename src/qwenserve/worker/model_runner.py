@@ -16,6 +16,7 @@ import torch
 from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOutput
 from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode import state_rollback
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
@@ -99,6 +100,11 @@ class ModelRunner:
         chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
         batch = self._prepare(chunks)
         self._copy_states(sched.state_restores)
+        verifying = [c for c in chunks if c.num_draft_tokens] \
+            if self.recurrent_backend is not None else []
+        saved = None if not verifying else state_rollback.snapshot(
+            self.caches, [self.requests[c.request_id].state_slot for c in verifying],
+            self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
         if self.proposer is not None:
             self.proposer.forward(batch)
@@ -110,7 +116,11 @@ class ModelRunner:
             return ModelOutput()
         sampled_chunks = [c for c in chunks if c.sample]
         output = ModelOutput(prompt_logprobs=scored)
-        for chunk, tokens in zip(sampled_chunks, self._sample(logits, sampled_chunks)):
+        emitted = self._sample(logits, sampled_chunks)
+        if saved is not None:
+            self._roll_back_states(verifying, saved, dict(zip(
+                [c.request_id for c in sampled_chunks], [len(t) - 1 for t in emitted])))
+        for chunk, tokens in zip(sampled_chunks, emitted):
             state = self.requests[chunk.request_id]
             for token in tokens:
                 state.output_token_ids.append(token.token_id)
@@ -123,6 +133,23 @@ class ModelRunner:
             output.draft_token_ids = self.proposer.propose(self._draftable(sampled_chunks),
                                                            self.requests)
         return output
+
+    def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
+                          num_accepted: dict[str, int]) -> None:
+        """Hybrid models: requests that rejected a draft get their pre-step recurrent state
+        back, then recompute it over the tokens they kept (``spec_decode/state_rollback.py``)."""
+        redo = [(i, c) for i, c in enumerate(verifying)
+                if num_accepted[c.request_id] < c.num_draft_tokens]
+        if not redo:
+            return
+        state_rollback.restore(self.caches, [self.requests[c.request_id].state_slot
+                                             for _, c in redo], saved, [i for i, _ in redo],
+                               self.device)
+        kept = [ScheduledChunk(c.request_id, c.token_ids[: 1 + num_accepted[c.request_id]],
+                               c.start_pos, [], False) for _, c in redo]
+        kept.sort(key=lambda c: len(c.token_ids) != 1)
+        batch = self._prepare(kept)
+        self.model(batch.input_ids, batch.positions, batch, self.caches)
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[list[Any]]:
         """Per sampled chunk, the tokens it emits: one, or with drafts the accepted ones and
