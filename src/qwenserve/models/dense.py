@@ -29,7 +29,7 @@ from qwenserve.models.base import (
     kv_heads_per_rank,
     load_named_weights,
 )
-from qwenserve.worker.forward_batch import ForwardBatch
+from qwenserve.layers.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

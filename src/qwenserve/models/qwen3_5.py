@@ -41,7 +41,7 @@ from qwenserve.models.base import (
 from qwenserve.models.dense import MLP, linear_method
 from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
 from qwenserve.models.qwen3_moe import MoEBlock
-from qwenserve.worker.forward_batch import ForwardBatch
+from qwenserve.layers.forward_batch import ForwardBatch
 
 logger = init_logger(__name__)
 
