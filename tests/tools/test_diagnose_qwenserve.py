@@ -224,8 +224,8 @@ def test_serving_errors(tiny_model):
 
 
 def test_engine_config_errors(tiny_model, tmp_path):
-    from qwenserve.config import EngineArgs
-    from qwenserve.tokenizer import load_tokenizer
+    from qwenserve.engine.arg_utils import EngineArgs
+    from qwenserve.models.tokenizer import load_tokenizer
 
     path = tiny_model("qwen2")
     bad = EngineArgs(model=path, gpu_memory_utilization=1.5)

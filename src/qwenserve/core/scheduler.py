@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.sched_output import (
     ModelOutput,
@@ -23,13 +24,6 @@ from qwenserve.core.sched_output import (
     SchedulerOutput,
 )
 from qwenserve.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
 
 
 @dataclass
@@ -53,7 +47,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, cache: CacheManager) -> None:
+    def __init__(self, limits: SchedulerConfig, cache: CacheManager) -> None:
         self.limits = limits
         self.cache = cache
         self.waiting: deque[Request] = deque()

@@ -10,18 +10,19 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from qwenserve.config import EngineArgs, EngineConfig
+from qwenserve.config import EngineConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.scheduler import Scheduler
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.executor import make_executor
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.logger import init_logger
 from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
+from qwenserve.models.tokenizer import load_tokenizer
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.service import GrammarService, model_grammar_service
-from qwenserve.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 

@@ -19,6 +19,7 @@ from torch import nn
 from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec
 from qwenserve.layers.activation import silu_and_mul
 from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from qwenserve.layers.norm import RMSNorm
 from qwenserve.layers.rotary import RotaryEmbedding
@@ -29,7 +30,6 @@ from qwenserve.models.base import (
     kv_heads_per_rank,
     load_named_weights,
 )
-from qwenserve.layers.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

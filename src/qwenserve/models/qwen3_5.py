@@ -26,6 +26,7 @@ from torch import nn
 
 from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from qwenserve.layers.norm import ZeroCenteredRMSNorm
 from qwenserve.layers.recurrent import RMSNormGated, TorchRefRecurrentBackend, gdn_gating
@@ -41,7 +42,6 @@ from qwenserve.models.base import (
 from qwenserve.models.dense import MLP, linear_method
 from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
 from qwenserve.models.qwen3_moe import MoEBlock
-from qwenserve.layers.forward_batch import ForwardBatch
 
 logger = init_logger(__name__)
 

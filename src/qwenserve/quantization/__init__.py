@@ -14,8 +14,6 @@ from qwenserve.quantization import schemes
 
 logger = init_logger(__name__)
 
-METHODS = ("compressed-tensors", "ascend", "int8")
-
 
 def resolve_quantization(hf_config: Any, requested: str | None) -> tuple[str | None, dict | None]:
     """Return (method, quantization config) for the checkpoint and the user's ``--quantization``.
@@ -47,7 +45,8 @@ def build_quant_method(model_config: Any, platform: Any | None = None) -> Any:
     elif method == "int8":
         quant = LoadTimeInt8Config(platform)
     else:
-        raise ValueError(f"unknown quantization method {method!r}; qwenserve runs {METHODS}")
+        raise ValueError(f"unknown quantization method {method!r}; qwenserve runs "
+                         f"{', '.join(schemes.METHODS)}")
     logger.info("Quantization %s: INT8 weights, int8 GEMM through the %s platform "
                 "(dequantized on the fly where it has none)", quant.name, platform.name)
     return quant

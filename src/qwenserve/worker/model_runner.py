@@ -13,9 +13,9 @@ import torch
 
 from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOutput
 from qwenserve.layers.attention.base import ChunkLayout
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars
-from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
