@@ -232,12 +232,9 @@ class LLMEngine:
 
     def _record(self, iteration: IterationStats) -> None:
         if not self.stat_loggers:
-            self.scheduler.stats()  # drain the finished list
             return
         s = self.scheduler.stats()
-        engine_stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
-                                   s.prefix_cache_queries, s.prefix_cache_hits,
-                                   s.num_preemptions, iteration)
+        engine_stats = EngineStats(**vars(s), iteration=iteration)
         for stat_logger in self.stat_loggers:
             stat_logger.record(engine_stats)
 
