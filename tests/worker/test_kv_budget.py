@@ -41,7 +41,7 @@ def test_budget_arithmetic():
 def test_engine_budget_subtracts_weights_and_other_processes(tiny_model, monkeypatch, others):
     device = FakeDevice()
     device.others = others
-    monkeypatch.setattr("qwenserve.worker.worker.resolve_platform", lambda name=None: device)
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
     monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
     path = tiny_model("qwen2")
     from qwenserve.worker import worker as worker_module
@@ -62,7 +62,7 @@ def test_engine_budget_subtracts_weights_and_other_processes(tiny_model, monkeyp
 def test_no_room_names_the_numbers_and_the_flags(tiny_model, monkeypatch):
     device = FakeDevice()
     device.others = 7 * GIB
-    monkeypatch.setattr("qwenserve.worker.worker.resolve_platform", lambda name=None: device)
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
     monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
     with pytest.raises(MemoryError, match=r"other processes \(7.0 GiB\).*--gpu-memory-utiliz"):
         LLM(tiny_model("qwen2"), dtype="float32", max_model_len=128, gpu_memory_utilization=0.5)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from qwenserve import platforms
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.scheduler import Scheduler
@@ -24,6 +25,9 @@ from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.service import GrammarService, model_grammar_service
 
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
+
 logger = init_logger(__name__)
 
 
@@ -32,12 +36,14 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, stat_loggers: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: list[Any] | None = None,
+                 platform: Platform | None = None) -> None:
+        """``platform``: the one ``config`` was resolved on (default: by its name)."""
         start = time.perf_counter()
         self.config = config
         mc = config.model
         self.tokenizer = load_tokenizer(mc)
-        self.executor = make_executor(config)
+        self.executor = make_executor(config, platform or platforms.resolve_platform(config.platform_name))
         self.plan = self.executor.plan_cache()
         self.executor.init_cache(self.plan)
         self.cache = CacheManager(self.plan.num_blocks, config.cache.block_size,
@@ -55,7 +61,9 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
-        return cls(args.create_engine_config(), **kwargs)
+        """The engine's entry point: the platform is resolved here, once, and passed down."""
+        platform = platforms.resolve_platform()
+        return cls(args.create_engine_config(platform), platform=platform, **kwargs)
 
     def _log_startup(self) -> None:
         mc, sched = self.config.model, self.config.scheduler
