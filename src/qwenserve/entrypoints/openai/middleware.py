@@ -38,6 +38,19 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+def route_path(scope: Scope) -> str:
+    """The path the router matches: uvicorn puts ``--root-path`` in front of ``scope["path"]``,
+    so every path decision (auth, drain) must look at the path without it, exactly as
+    Starlette's router strips it (same rule: only at a ``/`` boundary)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if len(path) == len(root):
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
@@ -56,7 +69,7 @@ class AuthMiddleware:
         if (
             scope["type"] != "http"
             or scope.get("method") == "OPTIONS"
-            or not scope["path"].startswith(GUARDED_PREFIXES)
+            or not route_path(scope).startswith(GUARDED_PREFIXES)
         ):
             return await self.app(scope, receive, send)
         given = _header(scope, b"authorization") or b""
@@ -133,7 +146,7 @@ class ServerStateMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.state.draining and scope["path"].startswith(GUARDED_PREFIXES):
+        if self.state.draining and route_path(scope).startswith(GUARDED_PREFIXES):
             return await send_error(send, 503, "The server is shutting down")
         if not self.echo_request_id:
             return await self.app(scope, receive, send)
