@@ -8,14 +8,15 @@ import pytest
 from oai_server import API_KEY, SERVED, RemoteServer
 
 ROOT = "/api"
+LONG_CONTEXT = 32768  # prompts up to 32 x this many characters get tokenized (seconds of work)
 
 
 @pytest.fixture(scope="module")
-def guarded(tiny_model_path, tmp_path_factory) -> RemoteServer:
+def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
     log = tmp_path_factory.mktemp("guarded") / "serve.log"
     srv = RemoteServer(
         [
-            tiny_model_path,
+            tiny_model("qwen2", max_position_embeddings=LONG_CONTEXT),
             "--served-model-name",
             SERVED,
             "--api-key",
@@ -25,9 +26,9 @@ def guarded(tiny_model_path, tmp_path_factory) -> RemoteServer:
             "--dtype",
             "float32",
             "--max-model-len",
-            "256",
+            str(LONG_CONTEXT),
             "--kv-cache-memory-bytes",
-            "16M",
+            "32M",
             "--disable-uvicorn-access-log",
         ],
         log,
@@ -53,3 +54,54 @@ def test_root_path_keeps_the_api_key_required(guarded):
 
 def test_without_root_path_the_key_is_required(server):
     assert httpx.get(server.base_url + "/v1/models", timeout=30).status_code == 401
+
+
+def _health_while(guarded: RemoteServer, send) -> tuple[httpx.Response, float]:
+    """Run ``send()`` in a thread; poll /health meanwhile. -> (its response, slowest /health)."""
+    import threading
+    import time
+
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", send()))
+    thread.start()
+    slowest = 0.0
+    time.sleep(0.2)  # let the upload start
+    while thread.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(guarded.base_url + "/health", timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.05)
+    thread.join()
+    return box["r"], slowest
+
+
+def test_huge_tokenize_is_refused_by_length_and_health_stays_fast(guarded):
+    prompt = "Hello world! How are you today? " * 150_000  # 4.8 MB, no key needed
+    r, slowest = _health_while(
+        guarded,
+        lambda: httpx.post(guarded.base_url + "/tokenize", json={"prompt": prompt}, timeout=120),
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "--max-model-len" in err["message"] and err["param"] == "prompt"
+    assert slowest < 1.0
+
+
+def test_tokenizing_runs_off_the_event_loop(guarded):
+    """Within the length cap, tokenizing still takes seconds: /health must not wait for it."""
+    body = {"model": SERVED, "prompt": "Hello world! How are you today? " * 20_000}
+    r, slowest = _health_while(guarded, lambda: guarded.post("/v1/completions", json=body))
+    assert r.status_code == 400 and "maximum context length" in r.text, r.text
+    assert slowest < 1.0
+
+
+def test_template_rendering_runs_off_the_event_loop(guarded):
+    """10,000 messages: rendering and tokenizing take seconds; /health must not wait for them."""
+    messages = [{"role": "user", "content": f"message {i} " * 3} for i in range(10_000)]
+    body = {"model": SERVED, "messages": messages, "max_tokens": 1}
+    r, slowest = _health_while(
+        guarded,
+        lambda: guarded.post("/v1/chat/completions", json=body, timeout=120),
+    )
+    assert r.status_code == 400 and "maximum context length" in r.text, r.text
+    assert slowest < 1.0

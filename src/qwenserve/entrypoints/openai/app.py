@@ -104,12 +104,14 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
 async def tokenize(
     body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request
 ) -> dict[str, Any]:
-    return serving_models.tokenize(_state(request), body)
+    state = _state(request)
+    return await state.offload(serving_models.tokenize, state, body)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    return serving_models.detokenize(_state(request), body)
+    state = _state(request)
+    return await state.offload(serving_models.detokenize, state, body)
 
 
 @router.post("/reset_prefix_cache")
@@ -124,7 +126,9 @@ async def reset_prefix_cache(request: Request) -> Response:
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
     _warn_ignored(body)
-    job = serving_completion.prepare_completion(state, body, request.headers.get("x-request-id"))
+    job = await state.offload(
+        serving_completion.prepare_completion, state, body, request.headers.get("x-request-id")
+    )
     await check_grammar(state, [p.params for p in job.prompts], job.constraint_source)
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_completion.complete(state, job))
@@ -142,7 +146,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
     _warn_ignored(body)
-    job = serving_chat.prepare_chat(state, body, request.headers.get("x-request-id"))
+    job = await state.offload(
+        serving_chat.prepare_chat, state, body, request.headers.get("x-request-id")
+    )
     await check_grammar(state, [job.params], job.constraint_source)
     agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text)
     if not body.stream:
