@@ -105,3 +105,9 @@ def test_template_rendering_runs_off_the_event_loop(guarded):
     )
     assert r.status_code == 400 and "maximum context length" in r.text, r.text
     assert slowest < 1.0
+
+
+def test_reset_prefix_cache_only_in_dev_mode(guarded, server):
+    assert httpx.post(guarded.base_url + "/reset_prefix_cache", timeout=30).status_code == 404
+    assert guarded.post("/reset_prefix_cache").status_code == 404  # a key does not open it
+    assert server.post("/reset_prefix_cache").status_code == 200  # QWENSERVE_SERVER_DEV_MODE=1

@@ -43,6 +43,9 @@ from qwenserve.entrypoints.openai.streaming import (
 from qwenserve.entrypoints.openai.structured import check_grammar
 
 router = APIRouter()
+# Routes that change server state for benchmarks and debugging: only with
+# QWENSERVE_SERVER_DEV_MODE=1 (or vLLM's VLLM_SERVER_DEV_MODE=1), as vLLM does.
+dev_router = APIRouter()
 # vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
 _DEFAULT_CORS = {
     "allow_origins": ["*"],
@@ -114,7 +117,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     return await state.offload(serving_models.detokenize, state, body)
 
 
-@router.post("/reset_prefix_cache")
+@dev_router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
     """Drop cached prefixes (benchmarks use it between runs); blocks in use stay."""
     if not await _state(request).engine.reset_prefix_cache():
@@ -235,6 +238,7 @@ def build_app(
     cors: dict[str, Any] | None = None,
     echo_request_id: bool = False,
     enable_docs: bool = True,
+    dev_mode: bool = False,
 ) -> FastAPI:
     app = FastAPI(
         title="qwenserve",
@@ -245,6 +249,8 @@ def build_app(
     app.state.server = state
     app.state.registry = registry
     app.include_router(router)
+    if dev_mode:
+        app.include_router(dev_router)
     _install_error_handlers(app)
     # Starlette runs the last-added middleware first: body limit, then auth, then the rest.
     app.add_middleware(ServerStateMiddleware, state=state, echo_request_id=echo_request_id)
