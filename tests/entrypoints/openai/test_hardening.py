@@ -111,3 +111,14 @@ def test_reset_prefix_cache_only_in_dev_mode(guarded, server):
     assert httpx.post(guarded.base_url + "/reset_prefix_cache", timeout=30).status_code == 404
     assert guarded.post("/reset_prefix_cache").status_code == 404  # a key does not open it
     assert server.post("/reset_prefix_cache").status_code == 200  # QWENSERVE_SERVER_DEV_MODE=1
+
+
+def test_prompts_are_cut_in_request_log_lines(server):
+    """--max-log-len defaults to 500 characters: one log line per request stays short."""
+    prompt = "Hello world! " * 400  # 5200 characters
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 100}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    request_id = r.json()["id"]
+    lines = [line for line in server.log().splitlines() if request_id in line]
+    assert lines and all(len(line) < 800 for line in lines), max(map(len, lines))
