@@ -3,12 +3,13 @@
 from helpers.factories import make_request
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.sched_output import ModelOutput, SampledToken
-from qwenserve.core.scheduler import Scheduler, SchedulerLimits
+from qwenserve.config import SchedulerConfig
+from qwenserve.core.scheduler import Scheduler
 
 
 def make(k=3, budget=64, disable=None, lookahead=0, num_blocks=64, max_model_len=256):
     cache = CacheManager(num_blocks, 4, True)
-    return Scheduler(SchedulerLimits(16, budget, max_model_len, k, disable, lookahead), cache)
+    return Scheduler(SchedulerConfig(16, budget, max_model_len, k, disable, lookahead), cache)
 
 
 def step(sched, accepted=0, drafts=None, token=7):

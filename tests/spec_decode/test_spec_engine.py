@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from qwenserve import LLM, SamplingParams
-from qwenserve.spec_decode.stats import SpecDecodingStats
+from qwenserve.metrics.stats import SpecDecodingStats
 
 PROMPTS = [[5, 17, 99, 3], [42] * 9, list(range(10, 40)), [7, 300, 12, 7, 300, 12, 7],
            list(range(100, 130)) + list(range(100, 110))]

@@ -7,11 +7,11 @@ import logging
 from qwenserve.metrics.loggers import LoggingStatLogger
 from qwenserve.metrics.prometheus import EXPORTED_METRICS, PrometheusStatLogger, make_registry
 from qwenserve.metrics.stats import EngineStats, IterationStats
-from qwenserve.spec_decode.stats import SpecDecodingStats
+from qwenserve.metrics.stats import SpecDecodingStats
 
 
 def _stats(spec):
-    return EngineStats(1, 0, 0.1, 0, 0, 0, IterationStats(), spec)
+    return EngineStats(1, 0, 0.1, 0, 0, 0, IterationStats(spec_decoding=spec))
 
 
 def test_observe_and_merge():

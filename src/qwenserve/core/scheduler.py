@@ -17,62 +17,31 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
+from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.sched_output import (
     ModelOutput,
     NewRequestData,
+    RequestUpdate,
     SampledToken,
     ScheduledChunk,
     SchedulerOutput,
 )
+from qwenserve.metrics.stats import SchedulerStats, SpecDecodingStats
 from qwenserve.request import Request, RequestStatus
-from qwenserve.spec_decode.stats import SpecDecodingStats
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    num_speculative_tokens: int = 0  # most draft tokens verified per request and step
-    spec_disable_by_batch_size: int | None = None  # no drafts while this many requests run
-    num_lookahead_tokens: int = 0  # slots allocated past a step's tokens (a drafter's KV)
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request: its new token and whether it finished."""
-
-    request: Request
-    new_token: SampledToken
-    finished: bool
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    finished: list[Request] = field(default_factory=list)  # since the last stats() call
-    spec_decoding: SpecDecodingStats | None = None  # since the last stats() call
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, cache: CacheManager) -> None:
+    def __init__(self, limits: SchedulerConfig, cache: CacheManager) -> None:
         self.limits = limits
         self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # workers drop their state for these next step
-        self._finished: list[Request] = []  # for stats, drained by stats()
         self.num_preemptions = 0
-        self._spec_stats = SpecDecodingStats()  # since the last stats() call
+        self._spec_stats = SpecDecodingStats()  # since the last take_spec_stats()
         self.spec_totals = SpecDecodingStats()  # since start
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -249,21 +218,30 @@ class Scheduler:
             if chunk.num_draft_tokens:
                 self._spec_stats.observe(chunk.num_draft_tokens, len(tokens) - 1)
                 self.spec_totals.observe(chunk.num_draft_tokens, len(tokens) - 1)
-            status = None
-            for token in tokens:  # a stop (or max_tokens) ends the step's tokens early
-                req.output_token_ids.append(token.token_id)
-                status = self._stop_status(req, token.token_id)
-                updates.append(RequestUpdate(req, token, status is not None))
-                if status is not None:
-                    break
-            # The KV holds every token but the last one emitted: the accepted drafts included.
-            req.num_computed_tokens = req.num_tokens - 1
-            self.cache.cache_full_blocks(req)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
-            else:
-                req.spec_token_ids = model_out.draft_token_ids.get(req.request_id, [])
+            updates += self._append_tokens(req, tokens, model_out)
+        return updates
+
+    def _append_tokens(self, req: Request, tokens: list[SampledToken],
+                       model_out: ModelOutput) -> list[RequestUpdate]:
+        """Append the step's tokens (several with accepted drafts) one at a time: a stop token
+        or ``max_tokens`` ends them early and the rest are dropped."""
+        updates = []
+        status = None
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token.token_id)
+            status = self._stop_status(req, token.token_id)
+            if status is not None or i == len(tokens) - 1:
+                break
+            updates.append(_update(req, token))
+        # The KV holds every token but the last one emitted: the accepted drafts included.
+        req.num_computed_tokens = req.num_tokens - 1
+        self.cache.cache_full_blocks(req)
+        if status is not None:
+            self.running.remove(req)
+            self._finish(req, status)
+        else:
+            req.spec_token_ids = model_out.draft_token_ids.get(req.request_id, [])
+        updates.append(_update(req, token))
         return updates
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
@@ -281,12 +259,16 @@ class Scheduler:
         self.cache.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        self._finished.append(req)
 
     # ---- observation --------------------------------------------------------------------------
-    def stats(self) -> SchedulerStats:
-        finished, self._finished = self._finished, []
+    def take_spec_stats(self) -> SpecDecodingStats | None:
+        """Speculative-decoding counters since the last call (None: not speculating)."""
+        if not self.limits.num_speculative_tokens:
+            return None
         spec, self._spec_stats = self._spec_stats, SpecDecodingStats()
+        return spec
+
+    def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -294,9 +276,23 @@ class Scheduler:
             prefix_cache_queries=self.cache.stats.queries,
             prefix_cache_hits=self.cache.stats.hits,
             num_preemptions=self.num_preemptions,
-            finished=finished,
-            spec_decoding=spec if self.limits.num_speculative_tokens else None,
         )
+
+
+def _update(req: Request, token: SampledToken) -> RequestUpdate:
+    """The step's news about ``req`` as plain data (the live request stays in core)."""
+    finish = req.finish_reason
+    first = req.num_output_tokens == 1
+    return RequestUpdate(
+        request_id=req.request_id,
+        new_token=token,
+        finish_reason=None if finish is None else finish.value,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=req.num_cached_tokens,
+        first_scheduled_time=req.first_scheduled_time,
+        prompt_logprobs=list(req.prompt_logprobs)
+        if first and req.sampling_params.prompt_logprobs is not None else None,
+    )
 
 
 def _collect_prompt_logprobs(req: Request, first_pos: int, entries: list[SampledToken]) -> None:

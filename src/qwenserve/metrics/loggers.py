@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 from qwenserve.logger import init_logger
-from qwenserve.metrics.stats import EngineStats
-from qwenserve.spec_decode.stats import SpecDecodingStats
+from qwenserve.metrics.stats import EngineStats, SpecDecodingStats
 
 logger = init_logger("qwenserve.engine")
 
@@ -23,8 +22,8 @@ class LoggingStatLogger:
         self._spec = SpecDecodingStats()
 
     def record(self, stats: EngineStats) -> None:
-        if stats.spec_decoding is not None:
-            self._spec.merge(stats.spec_decoding)
+        if stats.iteration.spec_decoding is not None:
+            self._spec.merge(stats.iteration.spec_decoding)
         self._prompt_tokens += stats.iteration.num_prompt_tokens
         self._generation_tokens += stats.iteration.num_generation_tokens
         now = time.monotonic()
@@ -40,7 +39,7 @@ class LoggingStatLogger:
             self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
             stats.num_running, stats.num_waiting, stats.num_preemptions,
             stats.kv_cache_usage * 100, 100.0 * hits / queries if queries else 0.0)
-        if stats.spec_decoding is not None:
+        if stats.iteration.spec_decoding is not None:
             self._log_spec_decoding(elapsed)
         self._last = now
         self._prompt_tokens = self._generation_tokens = 0

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qwenserve.metrics.stats import EngineStats, FinishedRequestStats
-from qwenserve.spec_decode.stats import SpecDecodingStats
+from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, SpecDecodingStats
 
 TTFT_BUCKETS = (
     0.001,
@@ -342,8 +341,8 @@ class PrometheusStatLogger:
                 m["vllm:time_per_output_token_seconds"].observe(itl)
         for finished in it.finished:
             self._record_finished(finished)
-        if stats.spec_decoding is not None and "vllm:spec_decode_num_drafts" in m:
-            self._record_spec_decoding(stats.spec_decoding)
+        if stats.iteration.spec_decoding is not None and "vllm:spec_decode_num_drafts" in m:
+            self._record_spec_decoding(stats.iteration.spec_decoding)
 
     def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
         m = self._m

@@ -7,8 +7,9 @@ honoured here or refused by name.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
+
+from qwenserve.config import SpeculativeConfig
 
 NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
@@ -35,19 +36,6 @@ _NEUTRAL = {
 }
 _KNOWN = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
           "prompt_lookup_max", "disable_by_batch_size", *_NEUTRAL}
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How drafts are proposed. ``disable_by_batch_size``: no drafts while this many or more
-    requests run (vLLM's knob; verification then costs more than it saves)."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 1
-    model: str | None = None  # draft_model: the drafter's folder or .gguf
-    disable_by_batch_size: int | None = None
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-from qwenserve.layers.attention.base import ChunkLayout
+from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout
+from qwenserve.layers.caches import ModelCaches
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.spec_decode.proposer import RequestTokens, too_many
-from qwenserve.worker.forward_batch import ForwardBatch
 
 
 class DraftModelProposer:
-    def __init__(self, model: Any, caches: list[Any], attn_backend: Any, block_size: int,
-                 device: torch.device, num_tokens: int,
+    def __init__(self, model: Any, caches: ModelCaches, attn_backend: AttentionBackend,
+                 block_size: int, device: torch.device, num_tokens: int,
                  disable_by_batch_size: int | None = None) -> None:
         self.model = model
         self.caches = caches

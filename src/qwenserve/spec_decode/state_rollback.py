@@ -15,23 +15,25 @@ at most one extra pass over 1 + a tokens, and nothing when every draft is accept
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from qwenserve.layers.caches import ModelCaches
 
-def snapshot(caches: list[Any], slots: list[int], device: torch.device) -> list[torch.Tensor]:
-    """Copies of the given state slots, for every recurrent tensor (conv and SSM per layer)."""
+
+def _pools(caches: ModelCaches) -> list[torch.Tensor]:
+    return [pool for state in caches.state.values() for pool in (state.conv, state.ssm)]
+
+
+def snapshot(caches: ModelCaches, slots: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Copies of the given state slots, for every recurrent pool (conv and SSM per layer)."""
     index = torch.tensor(slots, dtype=torch.long, device=device)
-    return [state.index_select(0, index) for cache in caches if isinstance(cache, tuple)
-            for state in cache]
+    return [pool.index_select(0, index) for pool in _pools(caches)]
 
 
-def restore(caches: list[Any], slots: list[int], saved: list[torch.Tensor], rows: list[int],
+def restore(caches: ModelCaches, slots: list[int], saved: list[torch.Tensor], rows: list[int],
             device: torch.device) -> None:
     """Put back rows ``rows`` of a snapshot into slots ``slots`` (same order)."""
     dst = torch.tensor(slots, dtype=torch.long, device=device)
     src = torch.tensor(rows, dtype=torch.long, device=device)
-    tensors = [state for cache in caches if isinstance(cache, tuple) for state in cache]
-    for state, copy in zip(tensors, saved):
-        state.index_copy_(0, dst, copy.index_select(0, src))
+    for pool, copy in zip(_pools(caches), saved, strict=True):
+        pool.index_copy_(0, dst, copy.index_select(0, src))
