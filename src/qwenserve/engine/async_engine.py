@@ -14,6 +14,7 @@ step boundary. When the engine dies, every pending call fails at once with ``Eng
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -34,8 +35,8 @@ from qwenserve.engine.core_thread import ThreadCoreClient
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.logger import init_logger
 from qwenserve.metrics.stats import EngineStats, IterationStats
-from qwenserve.outputs import RequestOutput
-from qwenserve.sampling_params import SamplingParams
+from qwenserve.outputs import CompletionOutput, RequestOutput
+from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
@@ -138,6 +139,7 @@ class AsyncEngine:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                item = _coalesce(item, out_queue, params.output_kind)
                 finished = item.finished
                 yield item
         finally:
@@ -233,6 +235,43 @@ class AsyncEngine:
         self._last_stats = stats
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
+
+
+def _coalesce(item: RequestOutput, out_queue: asyncio.Queue[_Item],
+              kind: RequestOutputKind) -> RequestOutput:
+    """A consumer that fell behind gets everything queued for it as one output (one SSE chunk),
+    not one per step: deltas are concatenated, a cumulative output replaces the older ones."""
+    while not out_queue.empty() and kind != RequestOutputKind.FINAL_ONLY:
+        following = out_queue._queue[0]  # type: ignore[attr-defined]  # peek: an error stays
+        if isinstance(following, BaseException):
+            break
+        out_queue.get_nowait()
+        item = following if kind == RequestOutputKind.CUMULATIVE else merge_deltas(item,
+                                                                                   following)
+    return item
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one."""
+    merged = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        prev = merged.get(c.index)
+        if prev is None:
+            merged[c.index] = c
+            continue
+        logprobs = None
+        if prev.logprobs is not None or c.logprobs is not None:
+            logprobs = [*(prev.logprobs or []), *(c.logprobs or [])]
+        merged[c.index] = CompletionOutput(c.index, prev.text + c.text,
+                                           [*prev.token_ids, *c.token_ids],
+                                           c.cumulative_logprob, logprobs, c.finish_reason,
+                                           c.stop_reason)
+    return dataclasses.replace(
+        then, outputs=[merged[i] for i in sorted(merged)],
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
+        else then.prompt_logprobs,
+        num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens),
+        extra={**first.extra, **then.extra})
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
