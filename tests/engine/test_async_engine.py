@@ -173,3 +173,40 @@ def test_engine_process_startup_error_is_one_clear_message(tmp_path):
     with pytest.raises(EngineStartupError, match="no-such-model"):
         ProcCoreClient(EngineArgs(model=str(missing)))
     assert time.monotonic() - start < 120
+
+
+def test_merge_deltas_concatenates_per_choice():
+    from qwenserve.engine.async_engine import merge_deltas
+    from qwenserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+    lp = [{1: Logprob(-0.1)}]
+    a = RequestOutput("r", "p", [1], [CompletionOutput(0, "a", [1], -0.1, lp),
+                                      CompletionOutput(1, "x", [9])], False, prompt_logprobs=[None])
+    b = RequestOutput("r", "p", [1], [CompletionOutput(0, "b", [2], -0.3, lp, "length")], True,
+                      num_cached_tokens=16)
+    m = merge_deltas(a, b)
+    assert [(c.index, c.text, c.token_ids) for c in m.outputs] == [(0, "ab", [1, 2]),
+                                                                   (1, "x", [9])]
+    assert m.outputs[0].logprobs == lp + lp and m.outputs[0].cumulative_logprob == -0.3
+    assert m.outputs[0].finish_reason == "length" and m.finished
+    assert m.prompt_logprobs == [None] and m.num_cached_tokens == 16
+
+
+def test_slow_consumer_gets_one_output_per_wakeup_with_every_token(engine):
+    """A consumer that stops reading while steps run gets the queued deltas merged into one
+    output when it reads again, nothing lost."""
+
+    async def main():
+        agen = engine.generate(PROMPTS[2], delta_params(30), "slow")
+        first = await agen.__anext__()
+        for _ in range(3000):  # until the engine reports the request done
+            await asyncio.sleep(0.01)
+            if engine.test_stats.last.num_running == 0:
+                break
+        await asyncio.sleep(0.1)  # the last output lands just after the stats that report it
+        rest = [out async for out in agen]
+        return first.outputs[0].token_ids + rest[0].outputs[0].token_ids, len(rest)
+
+    tokens, outputs = asyncio.run(main())
+    fast, _ = asyncio.run(collect(engine, PROMPTS[2], "fast", delta_params(30)))
+    assert tokens == fast and outputs == 1
