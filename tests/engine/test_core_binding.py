@@ -25,3 +25,17 @@ def test_bad_specs_name_the_variable_and_the_fix():
         parse_cores("zero")
     with pytest.raises(ValueError, match=r"core\(s\) \[9\] are not usable"):
         plan_binding("0,9", [0, 1])
+
+
+def test_unpinned_threads_wait_passively_unless_the_user_chose(monkeypatch):
+    import os
+
+    from qwenserve.engine.core_binding import apply_binding
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    apply_binding(Binding(None, 2))
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and os.environ["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    apply_binding(Binding(None, 2))
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -8,7 +8,9 @@
 - a core list such as ``0-3,6``: one thread pinned to each of those cores.
 - ``nobind``: leave threads and placement to OpenMP's own defaults.
 
-An ``OMP_NUM_THREADS`` set by the user is kept. With tensor parallelism the engine process is
+Unpinned (``auto`` on few cores, ``nobind``), OpenMP threads wait passively
+(``OMP_WAIT_POLICY=PASSIVE``) unless the user set a policy. An ``OMP_NUM_THREADS`` set by the
+user is kept. With tensor parallelism the engine process is
 the rank-0 driver and placement is left to the ranks (no binding).
 """
 
@@ -68,6 +70,10 @@ def apply_binding(binding: Binding) -> None:
     if binding.num_threads is not None and not os.environ.get("OMP_NUM_THREADS"):
         os.environ["OMP_NUM_THREADS"] = str(binding.num_threads)
     if binding.cores is None:
+        # Unpinned threads share their cores with the API process (and anything else running):
+        # spinning OpenMP workers then steal the time the others need, and a descheduled
+        # worker stalls the rest at every barrier. Sleeping waits avoid both (docs/serving.md).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         return
     os.sched_setaffinity(0, binding.cores)
     if not os.environ.get("OMP_PLACES") and not os.environ.get("GOMP_CPU_AFFINITY"):
