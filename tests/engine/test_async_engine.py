@@ -12,7 +12,7 @@ import time
 import pytest
 
 from qwenserve import LLM, SamplingParams
-from qwenserve.config import EngineArgs
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.async_engine import AsyncEngine, EngineDeadError
 from qwenserve.engine.core_client import EngineStartupError, ProcCoreClient
 from qwenserve.sampling_params import RequestOutputKind

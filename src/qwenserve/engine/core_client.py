@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import zmq
 
 from qwenserve import envs
-from qwenserve.config import EngineArgs
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_messages import (
     Command,
     EngineFailed,
@@ -70,7 +70,7 @@ class ProcCoreClient:
 
     def __init__(self, engine_args: EngineArgs) -> None:
         from qwenserve.engine.core_proc import CoreProcArguments
-        from qwenserve.tokenizer import load_tokenizer
+        from qwenserve.models.tokenizer import load_tokenizer
 
         self._dir = tempfile.mkdtemp(prefix="qwenserve-engine-")
         self._ctx = zmq.Context()
@@ -180,7 +180,7 @@ class ProcCoreClient:
 def _import_tokenizer_modules() -> None:
     import transformers  # noqa: F401
 
-    import qwenserve.tokenizer  # noqa: F401
+    import qwenserve.models.tokenizer  # noqa: F401
 
 
 def _exit_status(code: int) -> str:

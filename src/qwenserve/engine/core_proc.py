@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from qwenserve.config import EngineArgs
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_binding import apply_binding, plan_binding, usable_cores
 from qwenserve.engine.core_messages import Command, EngineFailed, EngineReady, StepOutputs
 from qwenserve.engine.rank_process import DriverLink, read_message
