@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from qwenserve import envs
 from qwenserve.core.scheduler import SchedulerLimits
+from qwenserve.options.compilation import compilation_config_arg
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("compressed-tensors", "ascend", "int8", "w8a8")
 
 
@@ -37,6 +41,17 @@ def human_readable_int(value: str) -> int:
             f"{value!r} is not a size: use an integer, optionally with k/m/g (1000s) or "
             "K/M/G (1024s), e.g. 4096, 32k, 8G"
         ) from e
+
+
+def json_object(value: str) -> dict:
+    """A flag whose value is a JSON object (``--hf-overrides '{"k": 1}'``)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {value!r} ({e})") from e
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def _opt(help: str, group: str = "ModelConfig", **kwargs: Any) -> Any:
@@ -90,6 +105,30 @@ class EngineArgs:
                                               group="SchedulerConfig", type=human_readable_int)
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", default=1,
                                      group="ParallelConfig", type=int, aliases=("-tp",))
+    # ---- vLLM / vLLM Ascend options the tutorials pass (docs/serving.md has the table) ----
+    hf_overrides: dict | None = _opt(
+        "JSON merged into the model's HF config before it is read, e.g. YaRN: "
+        "'{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4, "
+        "\"original_max_position_embeddings\": 32768}}'.", type=json_object)
+    load_format: str = _opt("auto/safetensors: the checkpoint's safetensors; dummy: random "
+                            "weights (benchmarks).", default="auto", group="LoadConfig",
+                            choices=LOAD_FORMATS)
+    mamba_ssm_cache_dtype: str = _opt(
+        "dtype of the Gated DeltaNet (linear attention) recurrent state; auto: float32.",
+        default="auto", group="CacheConfig", choices=MAMBA_SSM_CACHE_DTYPES)
+    compilation_config: dict | None = _opt(
+        "vLLM's CompilationConfig (JSON, or -cc.key=value): validated; qwenserve has no "
+        "torch.compile or graph capture yet, so each key is logged as having no effect.",
+        group="CompilationConfig", type=compilation_config_arg, aliases=("-cc",))
+    additional_config: dict | None = _opt(
+        "vLLM Ascend plugin options (JSON): documented keys are logged as having no effect "
+        "here, unknown keys warned about.", type=json_object)
+    async_scheduling: bool = _opt(
+        "Accepted; no effect yet (logged): the next step is scheduled after the current one.",
+        default=False, group="SchedulerConfig")
+    enable_expert_parallel: bool = _opt(
+        "Shard MoE experts whole across the tensor-parallel ranks instead of slicing each "
+        "expert.", default=False, group="ParallelConfig")
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -137,6 +176,11 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        if self.load_format == "dummy" and model_config.quantization is not None:
+            raise ValueError("--load-format dummy draws float weights; it cannot stand in for "
+                             f"a {model_config.quantization} checkpoint: drop --load-format "
+                             "dummy or use an unquantized model")
+        log_option_notes(self, platform.name)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -145,13 +189,16 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
             ),
             scheduler=SchedulerLimits(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=model_config.max_model_len,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    enable_expert_parallel=self.enable_expert_parallel),
+            load_format=self.load_format,
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
@@ -165,6 +212,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None = None
+    mamba_ssm_cache_dtype: str = "auto"  # Gated DeltaNet state; auto: float32
+
+    @property
+    def ssm_state_dtype(self) -> str:
+        return "float32" if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype
 
     def cpu_budget_bytes(self) -> int:
         """CPU KV budget: the flag, else QWENSERVE_CPU_KVCACHE_SPACE GiB, else 4 GiB (vLLM's)."""
@@ -177,6 +229,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts whole per rank, not sliced
 
 
 @dataclass(frozen=True)
@@ -190,3 +243,24 @@ class EngineConfig:
     platform_name: str
     seed: int = 0
     max_logprobs: int = 20
+    load_format: str = "auto"  # auto | safetensors | dummy (random weights)
+
+
+def log_option_notes(args: EngineArgs, platform_name: str) -> None:
+    """Say once, at start-up, what each accepted vLLM option that does not act here means."""
+    from qwenserve.logger import init_logger
+    from qwenserve.options.additional import parse_additional_config
+    from qwenserve.options.compilation import parse_compilation_config
+
+    logger = init_logger("qwenserve.config")
+    for note in parse_compilation_config(args.compilation_config).startup_notes(platform_name):
+        logger.info(note)
+    infos, warnings = parse_additional_config(args.additional_config).startup_notes(
+        platform_name)
+    for note in infos:
+        logger.info(note)
+    for note in warnings:
+        logger.warning(note)
+    if args.async_scheduling:
+        logger.info("--async-scheduling: no effect yet: qwenserve schedules step N+1 after "
+                    "step N returns (see docs/serving.md for the measurement behind this)")

@@ -2,7 +2,8 @@
 
 A model is built from a ``ModelContext`` (config, dtype, parallel group, backends) and exposes
 ``forward(input_ids, positions, batch, caches) -> hidden``, ``compute_logits(hidden)``,
-``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes)``.
+``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes,
+ssm_dtype_bytes)``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class ModelContext:
     attn_backend: Any = None
     recurrent_backend: Any = None
     quant: Any = None  # quantization method factory: quant.linear_method(prefix) -> LinearMethod
+    ssm_dtype: torch.dtype = torch.float32  # Gated DeltaNet state (--mamba-ssm-cache-dtype)
+    expert_parallel: bool = False  # MoE experts whole per rank (--enable-expert-parallel)
 
 
 def config_head_dim(hf_config: Any) -> int:

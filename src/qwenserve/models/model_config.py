@@ -11,6 +11,12 @@ from qwenserve import envs
 from qwenserve.logger import init_logger
 from qwenserve.models import registry
 from qwenserve.models.source import ModelSource, read_config_json, resolve_source
+from qwenserve.options.hf_overrides import (
+    apply_to_config,
+    check_overrides,
+    derived_max_model_len,
+    merge_overrides,
+)
 
 logger = init_logger(__name__)
 
@@ -53,7 +59,8 @@ def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
         hf_config, eos_ids = read_gguf_config(source.gguf_file)
         ckpt_dtype, generation = "bfloat16", {}
     else:
-        hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder)
+        hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder,
+                                                        getattr(args, "hf_overrides", None))
         generation = _read_generation_config(source.folder, args.generation_config)
         eos_ids = _merge_ids(eos_ids, generation.pop("eos_token_id", None))
     from qwenserve.quantization import resolve_quantization
@@ -73,14 +80,19 @@ def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
     )
 
 
-def read_hf_config(folder: str) -> tuple[Any, tuple[int, ...], str]:
-    raw = read_config_json(folder)
+def read_hf_config(folder: str, hf_overrides: dict | None = None
+                   ) -> tuple[Any, tuple[int, ...], str]:
+    """(text config, eos ids, checkpoint dtype); ``--hf-overrides`` are merged in before
+    anything reads the config (the architecture check included)."""
+    overrides = check_overrides(hf_overrides or {})
+    raw = merge_overrides(read_config_json(folder), overrides)
     # Check the architecture before transformers parses anything: the error lists what works.
     registry.resolve_architecture(raw.get("architectures"))
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    apply_to_config(text_config, overrides)
     text_config.architectures = raw.get("architectures")
     if "quantization_config" in raw and not hasattr(text_config, "quantization_config"):
         text_config.quantization_config = raw["quantization_config"]
@@ -132,7 +144,7 @@ def resolve_dtype(requested: str, ckpt_dtype: str, platform: Any) -> str:
 
 
 def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
-    derived = getattr(hf_config, "max_position_embeddings", None) or 4096
+    derived = derived_max_model_len(hf_config)  # max_position_embeddings, x factor with YaRN
     if requested is None:
         return int(derived)
     if requested < 1:
@@ -140,7 +152,8 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     if requested > derived and not envs.allow_long_max_model_len():
         raise ValueError(
             f"--max-model-len {requested} is larger than the model's maximum of {derived} "
-            "tokens (max_position_embeddings). Lower it, or set "
+            "tokens (max_position_embeddings, times the YaRN factor if any). Lower it, add "
+            "YaRN through --hf-overrides (rope_parameters), or set "
             "QWENSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model handles longer inputs."
         )
     return int(requested)

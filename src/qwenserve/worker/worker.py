@@ -28,6 +28,7 @@ from qwenserve.layers.attention import get_attention_backend
 from qwenserve.layers.linear import use_float_linear
 from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
+from qwenserve.models.dummy_weights import fill_dummy_weights
 from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
 from qwenserve.platforms import resolve_platform
@@ -51,8 +52,9 @@ class Worker:
         self.dtype = _DTYPES[config.model.dtype]
         self.model_cls = load_model_class(config.model.architecture)
         self.attn_backend = get_attention_backend(self.platform.default_attention_backend)
+        self.ssm_dtype = _DTYPES[config.cache.ssm_state_dtype]
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
-                                                self.dtype.itemsize)
+                                                self.dtype.itemsize, self.ssm_dtype.itemsize)
         self.model: Any = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -64,12 +66,17 @@ class Worker:
         mc = self.config.model
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
                            max_model_len=mc.max_model_len, tp=self.tp,
-                           attn_backend=self.attn_backend, quant=self._quant())
+                           attn_backend=self.attn_backend, quant=self._quant(),
+                           ssm_dtype=self.ssm_dtype,
+                           expert_parallel=self.config.parallel.enable_expert_parallel)
         try:
             with torch.device(self.device):
                 model = self.model_cls(ctx)
-            model.load_weights(iter_weights(mc.source, mc.hf_config),
-                               mc.source.gguf_file or mc.source.folder)
+            if self.config.load_format == "dummy":
+                fill_dummy_weights(model, self.config.seed)
+            else:
+                model.load_weights(iter_weights(mc.source, mc.hf_config),
+                                   mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
                 ctx.quant.process_weights_after_loading(model)
             if (linear := self.platform.float_linear()) is not None:

@@ -16,6 +16,7 @@ import types
 from typing import Any
 
 from qwenserve.config import EngineArgs, human_readable_int
+from qwenserve.entrypoints.openai.cli_spellings import canonical_flag_spellings
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
 from qwenserve.structured_output.config import (
@@ -32,17 +33,12 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--data-parallel-size", "-dp"), {"type": int}, (None, 1)),
     (("--distributed-executor-backend",), {}, (None, "mp", "uni")),
     (("--enable-chunked-prefill",), {"action": BOOL}, (None, True)),
-    (("--async-scheduling",), {"action": BOOL}, (None, False)),
     (("--scheduling-policy",), {}, (None, "fcfs")),
-    (("--load-format",), {}, (None, "auto")),
     (("--tokenizer-mode",), {}, (None, "auto", "hf")),
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
     (("--speculative-config",), {}, (None,)),
-    (("--compilation-config", "-cc"), {}, (None,)),
-    (("--additional-config",), {}, (None,)),
-    (("--hf-overrides",), {}, (None,)),
     (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
@@ -51,6 +47,7 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
     (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
     (("--headless",), {"action": BOOL}, (None, False)),
+    (("--safetensors-load-strategy",), {}, (None, "lazy")),  # qwenserve maps shards lazily
 )
 
 
@@ -64,14 +61,14 @@ VLLM_ONLY_FLAGS = frozenset(
     --data-parallel-rpc-port --data-parallel-size-local --data-parallel-start-rank
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
     --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
-    --disable-sliding-window --enable-dbo --enable-eplb --enable-expert-parallel
+    --disable-sliding-window --enable-dbo --enable-eplb 
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
     --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none --fully-sharded-loras
     --h11-max-header-count --h11-max-incomplete-event-size --hf-config-path --hf-token
     --ignore-patterns --kv-events-config --limit-mm-per-prompt --log-config-file
     --log-error-stack --logits-processors --logprobs-mode --long-prefill-token-threshold
-    --mamba-ssm-cache-dtype --max-cpu-loras --max-long-partial-prefills --max-lora-rank
+     --max-cpu-loras --max-long-partial-prefills --max-lora-rank
     --max-loras --max-num-partial-prefills --max-parallel-loading-workers
     --max-seq-len-to-capture --middleware --mm-encoder-tp-mode --mm-processor-cache-gb
     --mm-processor-kwargs --model-impl --model-loader-extra-config --num-lookahead-slots
@@ -320,8 +317,9 @@ def run(args: argparse.Namespace) -> int:
 def _parse_known_args(
     self: argparse.ArgumentParser, args: Any = None, namespace: Any = None
 ) -> tuple[argparse.Namespace, list[str]]:
-    argv = fold_dotted_flags(list(sys.argv[1:] if args is None else args),
-                             "--structured-outputs-config")
+    argv = canonical_flag_spellings(list(sys.argv[1:] if args is None else args))
+    argv = fold_dotted_flags(argv, "--structured-outputs-config")
+    argv = fold_dotted_flags(argv, "--compilation-config")
     _maybe_filtered_help(self, argv)
     config_argv, config_model = read_config(self, argv)
     if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
