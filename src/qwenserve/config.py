@@ -17,6 +17,7 @@ from typing import Any
 from qwenserve import envs
 from qwenserve.core.scheduler import SchedulerLimits
 from qwenserve.options.compilation import compilation_config_arg
+from qwenserve.pooling import CONVERTS, RUNNERS, TASKS, PoolerConfig
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -126,6 +127,14 @@ class EngineArgs:
     async_scheduling: bool = _opt(
         "Accepted; no effect yet (logged): the next step is scheduled after the current one.",
         default=False, group="SchedulerConfig")
+    runner: str = _opt("generate, or pooling (embedding and reranker models: /v1/embeddings, "
+                       "/score, /rerank); auto: pooling for ...ForSequenceClassification.",
+                       default="auto", choices=RUNNERS)
+    task: str = _opt("vLLM's older name for the runner: embed (embedding), score/classify "
+                     "(reranker); reward is not implemented yet.", default="auto",
+                     choices=TASKS)
+    convert: str = _opt("Serve a causal LM as embed (last-token pooling) or classify model.",
+                        default="auto", choices=CONVERTS)
     enable_expert_parallel: bool = _opt(
         "Shard MoE experts whole across the tensor-parallel ranks instead of slicing each "
         "expert.", default=False, group="ParallelConfig")
@@ -157,6 +166,27 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     # ---- resolution ---------------------------------------------------------------------------
+    def _pooler(self, model_config: Any) -> PoolerConfig | None:
+        """None for text generation; else what a pooling request returns (qwenserve.pooling)."""
+        from qwenserve.pooling import classifier_token_ids, pooling_kind, wants_pooling
+
+        hf = model_config.hf_config
+        archs = getattr(hf, "original_architectures", None) or hf.architectures
+        seq_cls = any("ForSequenceClassification" in a for a in archs or [])
+        if not (wants_pooling(self.runner, self.task, self.convert) or seq_cls):
+            return None
+        if self.runner == "generate":
+            raise ValueError("--runner generate cannot serve --task/--convert "
+                             f"{self.task}/{self.convert}; use --runner pooling")
+        kind = pooling_kind(self.task, self.convert, archs, hf)
+        if kind == "embed":
+            return PoolerConfig("embed")
+        from qwenserve.tokenizer import load_tokenizer
+
+        tokens = list(hf.classifier_from_token)
+        return PoolerConfig("classify", classifier_token_ids(load_tokenizer(model_config),
+                                                             tokens))
+
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model, device and sizes; raise ``ValueError`` naming what to change."""
         from qwenserve.models.model_config import resolve_model_config
@@ -199,6 +229,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel),
             load_format=self.load_format,
+            pooler=self._pooler(model_config),
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
@@ -244,6 +275,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     load_format: str = "auto"  # auto | safetensors | dummy (random weights)
+    pooler: PoolerConfig | None = None  # --runner pooling: what a request returns
 
 
 def log_option_notes(args: EngineArgs, platform_name: str) -> None:

@@ -76,3 +76,5 @@ class ModelOutput:
     # prompt_logprobs requests: request id -> (first position, one entry per position from it).
     # The entry at position p scores prompt token p + 1 (its ``token_id``) given tokens 0..p.
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
+    # pooling runner (--runner pooling): request id -> its pooled output, instead of a sample
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -34,10 +34,11 @@ class SchedulerLimits:
 
 @dataclass
 class RequestUpdate:
-    """What one step did to one request: its new token and whether it finished."""
+    """What one step did to one request: its new token and whether it finished (a pooling
+    request finishes with its pooled output, ``request.pooled``, and no token)."""
 
     request: Request
-    new_token: SampledToken
+    new_token: SampledToken | None
     finished: bool
 
 
@@ -205,6 +206,12 @@ class Scheduler:
             if req.request_id in model_out.prompt_logprobs:
                 _collect_prompt_logprobs(req, *model_out.prompt_logprobs[req.request_id])
             if not chunk.sample:
+                continue
+            if req.request_id in model_out.pooled:  # prefill-only: the prompt was the work
+                req.pooled = model_out.pooled[req.request_id]
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                updates.append(RequestUpdate(req, None, True))
                 continue
             token = model_out.sampled[req.request_id]
             req.output_token_ids.append(token.token_id)

@@ -17,6 +17,7 @@ from qwenserve.options.hf_overrides import (
     derived_max_model_len,
     merge_overrides,
 )
+from qwenserve.pooling import causal_lm_architectures
 
 logger = init_logger(__name__)
 
@@ -87,13 +88,16 @@ def read_hf_config(folder: str, hf_overrides: dict | None = None
     overrides = check_overrides(hf_overrides or {})
     raw = merge_overrides(read_config_json(folder), overrides)
     # Check the architecture before transformers parses anything: the error lists what works.
-    registry.resolve_architecture(raw.get("architectures"))
+    architectures = causal_lm_architectures(raw)  # a reranker runs its causal LM
+    registry.resolve_architecture(architectures)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     apply_to_config(text_config, overrides)
-    text_config.architectures = raw.get("architectures")
+    text_config.architectures = architectures
+    if architectures != raw.get("architectures"):  # the name the user gave, for the pooler
+        text_config.original_architectures = raw.get("architectures")
     if "quantization_config" in raw and not hasattr(text_config, "quantization_config"):
         text_config.quantization_config = raw["quantization_config"]
     ckpt_dtype = str(raw.get("torch_dtype") or raw.get("dtype")

@@ -36,6 +36,7 @@ from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.model_runner import ModelRunner
+from qwenserve.worker.pooler import embedding_checkpoint_names
 
 logger = init_logger(__name__)
 
@@ -72,11 +73,14 @@ class Worker:
         try:
             with torch.device(self.device):
                 model = self.model_cls(ctx)
+            weights = iter_weights(mc.source, mc.hf_config)
+            if self.config.pooler is not None and self.config.pooler.kind == "embed":
+                model.lm_head = None  # an embedding model has no use (and often no weights)
+                weights = embedding_checkpoint_names(weights)
             if self.config.load_format == "dummy":
                 fill_dummy_weights(model, self.config.seed)
             else:
-                model.load_weights(iter_weights(mc.source, mc.hf_config),
-                                   mc.source.gguf_file or mc.source.folder)
+                model.load_weights(weights, mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
                 ctx.quant.process_weights_after_loading(model)
             if (linear := self.platform.float_linear()) is not None:
@@ -170,10 +174,10 @@ class Worker:
                     caches[layer_id] = state
         recurrent = getattr(self.model, "recurrent_backend", None)
         grammars = RequestGrammars(partial(model_grammar_service, self.config.model)) \
-            if self.tp.is_driver else None
+            if self.tp.is_driver and self.config.pooler is None else None
         self.runner = ModelRunner(self.model, caches, self.attn_backend, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed, recurrent,
-                                  grammars)
+                                  grammars, self.config.pooler)
 
     def warm_up(self) -> None:
         """Run one small prefill and one decode so the first request does not pay for kernel

@@ -16,6 +16,10 @@ import types
 from typing import Any
 
 from qwenserve.config import EngineArgs, human_readable_int
+from qwenserve.entrypoints.openai.cli_data_parallel import (
+    add_data_parallel_flags,
+    data_parallel_problem,
+)
 from qwenserve.entrypoints.openai.cli_spellings import canonical_flag_spellings
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
@@ -30,7 +34,6 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--uds",), {}, (None,)),
     (("--kv-cache-dtype",), {}, (None, "auto")),
     (("--pipeline-parallel-size", "-pp"), {"type": int}, (None, 1)),
-    (("--data-parallel-size", "-dp"), {"type": int}, (None, 1)),
     (("--distributed-executor-backend",), {}, (None, "mp", "uni")),
     (("--enable-chunked-prefill",), {"action": BOOL}, (None, True)),
     (("--scheduling-policy",), {}, (None, "fcfs")),
@@ -56,9 +59,9 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
 VLLM_ONLY_FLAGS = frozenset(
     """
     --all2all-backend --allowed-local-media-path --allowed-media-domains --calculate-kv-scales
-    --code-revision --collect-detailed-traces --config-format --convert --cpu-offload-params
-    --cuda-graph-sizes --data-parallel-address --data-parallel-backend --data-parallel-rank
-    --data-parallel-rpc-port --data-parallel-size-local --data-parallel-start-rank
+    --code-revision --collect-detailed-traces --config-format --cpu-offload-params
+    --cuda-graph-sizes --data-parallel-backend
+   
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
     --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
     --disable-sliding-window --enable-dbo --enable-eplb 
@@ -74,8 +77,8 @@ VLLM_ONLY_FLAGS = frozenset(
     --mm-processor-kwargs --model-impl --model-loader-extra-config --num-lookahead-slots
     --num-scheduler-steps --otlp-traces-endpoint --override-pooler-config --pooler-config
     --preemption-mode --prefix-caching-hash-algo --pt-load-map-location
-    --ray-workers-use-nsight --rope-scaling --rope-theta --runner --scheduler-cls
-    --skip-tokenizer-init --ssl-ca-certs --ssl-cert-reqs --stream-interval --task
+    --ray-workers-use-nsight --rope-scaling --rope-theta --scheduler-cls
+    --skip-tokenizer-init --ssl-ca-certs --ssl-cert-reqs --stream-interval
     --tokenizer-revision --tokens-only --tool-server --use-tqdm-on-load --worker-cls
     --worker-extension-cls
     """.split()
@@ -277,6 +280,9 @@ def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
     )
     for names, kwargs, _ in UNIMPLEMENTED:
         g.add_argument(*names, default=None, help=argparse.SUPPRESS, **kwargs)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help=argparse.SUPPRESS)
+    add_data_parallel_flags(g)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -435,6 +441,8 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         if value not in accepted:
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             return f"{names[0]} {shown} is not implemented yet in qwenserve; remove it"
+    if problem := data_parallel_problem(ns):
+        return problem
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         return f"the model is given twice ({ns.model_tag} and --model {ns.model}); give it once"
     if ns.tool_call_parser and ns.tool_call_parser not in TOOL_PARSERS:
