@@ -81,7 +81,8 @@ def pooling_params() -> Any:
     so it finishes at its last prefill chunk (max_tokens=1 bounds the cache it may take)."""
     from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY,
+                          pooling=True)
 
 
 def embedding(pooled: list[float], dimensions: int | None = None,

@@ -20,6 +20,7 @@ from qwenserve.entrypoints.openai import (
     serving_completion,
     serving_models,
 )
+from qwenserve.entrypoints.openai import serving_pooling
 from qwenserve.entrypoints.openai.errors import OpenAIError, error_body
 from qwenserve.entrypoints.openai.middleware import (
     AuthMiddleware,
@@ -239,6 +240,7 @@ def build_app(
     app.state.server = state
     app.state.registry = registry
     app.include_router(router)
+    app.include_router(serving_pooling.router)  # /v1/embeddings, /score, /rerank
     _install_error_handlers(app)
     # Starlette runs the last-added middleware first: body limit, then auth, then the rest.
     app.add_middleware(ServerStateMiddleware, state=state, echo_request_id=echo_request_id)
