@@ -21,7 +21,7 @@ from qwenserve.pooling import CONVERTS, RUNNERS, TASKS, PoolerConfig
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "sharded_state")
 QUANTIZATIONS = ("compressed-tensors", "ascend", "int8", "w8a8")
 
 
@@ -112,7 +112,8 @@ class EngineArgs:
         "'{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4, "
         "\"original_max_position_embeddings\": 32768}}'.", type=json_object)
     load_format: str = _opt("auto/safetensors: the checkpoint's safetensors; dummy: random "
-                            "weights (benchmarks).", default="auto", group="LoadConfig",
+                            "weights (benchmarks); sharded_state: per-rank files written by "
+                            "scripts/save_sharded_state.py.", default="auto", group="LoadConfig",
                             choices=LOAD_FORMATS)
     mamba_ssm_cache_dtype: str = _opt(
         "dtype of the Gated DeltaNet (linear attention) recurrent state; auto: float32.",
@@ -206,10 +207,10 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
-        if self.load_format == "dummy" and model_config.quantization is not None:
-            raise ValueError("--load-format dummy draws float weights; it cannot stand in for "
-                             f"a {model_config.quantization} checkpoint: drop --load-format "
-                             "dummy or use an unquantized model")
+        if self.load_format in ("dummy", "sharded_state") and model_config.quantization:
+            raise ValueError(f"--load-format {self.load_format} with a "
+                             f"{model_config.quantization} checkpoint is not implemented yet: "
+                             "drop --load-format or use an unquantized model")
         log_option_notes(self, platform.name)
         return EngineConfig(
             model=model_config,

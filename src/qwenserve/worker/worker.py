@@ -30,6 +30,7 @@ from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
 from qwenserve.models.dummy_weights import fill_dummy_weights
 from qwenserve.models.loader import iter_weights
+from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.models.registry import load_model_class
 from qwenserve.platforms import resolve_platform
 from qwenserve.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class Worker:
                 weights = embedding_checkpoint_names(weights)
             if self.config.load_format == "dummy":
                 fill_dummy_weights(model, self.config.seed)
+            elif self.config.load_format == "sharded_state":
+                load_sharded_state(model, mc.source.folder, self.tp.rank, self.tp.world_size)
             else:
                 model.load_weights(weights, mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
