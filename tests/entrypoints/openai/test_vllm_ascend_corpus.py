@@ -3,8 +3,10 @@
 The corpus (``data/vllm_ascend_qwen_serve_commands.json``) is extracted by
 ``scripts/extract_vllm_ascend_commands.py`` from github.com/vllm-project/vllm-ascend at the commit
 recorded in the file, docs/source/tutorials/models/. Each command must parse, or be refused with
-a message that names one of its flags; the refused ones are listed here with the flag, so a flag
-that starts being refused (or accepted) shows up as a test failure.
+a message that names one of its flags. Flags refused today are listed below: those other work
+covers (speculative decoding, image inputs) and those qwenserve does not implement (data
+parallelism beyond one replica, prefill/decode disaggregation). With the first group removed,
+every command must parse except for the second group; a new refusal fails the test.
 """
 
 from __future__ import annotations
@@ -52,6 +54,46 @@ def outcome(command: str) -> str:
     except SystemExit:
         return err.getvalue().strip().splitlines()[-1]
     return "ok"
+
+
+# flags whose support is other work in progress; the commands are checked without them too
+OTHER_WORK = ("--speculative-config", "--mm-processor-cache-gb", "--limit-mm-per-prompt",
+              "--mm-processor-kwargs", "--allowed-local-media-path", "--language-model-only")
+# refused by qwenserve, by name: multi-replica data parallelism, P/D disaggregation
+NOT_IMPLEMENTED = ("--data-parallel-size", "--headless", "--api-server-count",
+                   "--kv-transfer-config")
+
+
+def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=")[0].replace("_", "-").startswith(flags):
+            skip = "=" not in arg  # drop its value too
+        else:
+            out.append(arg)
+    return out
+
+
+def parse_outcome(argv: list[str]) -> str:
+    err = io.StringIO()
+    try:
+        with redirect_stderr(err):
+            make_serve_parser().parse_args(argv)
+    except SystemExit:
+        return re.findall(r"--[\w.-]+", err.getvalue().strip().splitlines()[-1])[0]
+    return "ok"
+
+
+def test_every_command_parses_but_for_named_gaps():
+    """The corpus's tally: each command parses, or its first refused flag is a known gap."""
+    raw = [parse_outcome(concrete_argv(c["command"])) for c in CORPUS["commands"]]
+    assert set(raw) <= {"ok", *OTHER_WORK, *NOT_IMPLEMENTED}, set(raw)
+    ours = [parse_outcome(without(concrete_argv(c["command"]), OTHER_WORK))
+            for c in CORPUS["commands"]]
+    assert set(ours) <= {"ok", *NOT_IMPLEMENTED}, set(ours)
+    assert len(CORPUS["commands"]) == 66 and ours.count("ok") >= 43
 
 
 IDS = [f"{c['file'].rsplit('/', 1)[-1]}:{c['line']}" for c in CORPUS["commands"]]
