@@ -23,7 +23,8 @@ def test_half_width_ssm_state_halves_its_bytes(tmp_path, capsys):
     _, f16 = plan(capsys, path, *args, "--mamba-ssm-cache-dtype", "float16")
     linear_layers = sum(t == "linear_attention" for t in c["layer_types"])
     ssm = c["linear_num_value_heads"] // 2 * c["linear_key_head_dim"] * c["linear_value_head_dim"]
-    saved = f32["plans"][0]["state_bytes_per_sequence"] - f16["plans"][0]["state_bytes_per_sequence"]
+    f32_plan, f16_plan = f32["plans"][0], f16["plans"][0]
+    saved = f32_plan["state_bytes_per_sequence"] - f16_plan["state_bytes_per_sequence"]
     assert saved == linear_layers * ssm * 2  # 4 -> 2 bytes per SSM element
     assert "--mamba-ssm-cache-dtype float16" in f16["commands"]["qwenserve"]
     assert "--mamba-ssm-cache-dtype float16" in f16["commands"]["vllm"]

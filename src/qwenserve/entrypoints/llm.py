@@ -8,8 +8,8 @@ from typing import Any
 
 from qwenserve.config import EngineArgs
 from qwenserve.engine.llm_engine import LLMEngine
-from qwenserve.pooling import pooling_params
 from qwenserve.outputs import RequestOutput
+from qwenserve.pooling import pooling_params
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]

@@ -199,7 +199,8 @@ class SparseMoeBlock(nn.Module):
     The shared expert is sliced on the intermediate dimension (``shared_shard``, by default the
     routed experts' tensor-parallel slice), so the output stays a partial sum under tensor
     parallelism; with expert parallelism the routed experts are whole per rank and the shared
-    one stays sliced, and the sum of both partial sums is still the caller's one all-reduce. ``load_weight`` takes names relative to the block (``mlp.``).
+    one stays sliced, and the sum of both partial sums is still the caller's one all-reduce.
+    ``load_weight`` takes names relative to the block (``mlp.``).
     """
 
     def __init__(

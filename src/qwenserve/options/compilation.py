@@ -114,7 +114,8 @@ def _check(key: str, value: Any, kind: str) -> Any:
     bad = f"--compilation-config: {key}={value!r} "
     if kind == "cudagraph_mode":
         if str(value).upper() not in CUDAGRAPH_MODES:
-            raise ValueError(bad + f"is not a cudagraph mode; use one of {', '.join(CUDAGRAPH_MODES)}")
+            raise ValueError(bad + "is not a cudagraph mode; use one of "
+                             + ", ".join(CUDAGRAPH_MODES))
         return str(value).upper()
     if kind == "mode":
         names = {n: i for i, n in enumerate(COMPILATION_MODES)}

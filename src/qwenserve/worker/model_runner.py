@@ -13,10 +13,10 @@ import torch
 
 from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOutput
 from qwenserve.layers.attention.base import ChunkLayout
+from qwenserve.pooling import PoolerConfig
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.worker.forward_batch import ForwardBatch
-from qwenserve.pooling import PoolerConfig
 from qwenserve.worker.pooler import pool
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 

@@ -30,8 +30,8 @@ from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
 from qwenserve.models.dummy_weights import fill_dummy_weights
 from qwenserve.models.loader import iter_weights
-from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.models.registry import load_model_class
+from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.platforms import resolve_platform
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars

@@ -19,8 +19,8 @@ from qwenserve.entrypoints.openai import (
     serving_chat_stream,
     serving_completion,
     serving_models,
+    serving_pooling,
 )
-from qwenserve.entrypoints.openai import serving_pooling
 from qwenserve.entrypoints.openai.errors import OpenAIError, error_body
 from qwenserve.entrypoints.openai.middleware import (
     AuthMiddleware,

@@ -61,17 +61,16 @@ VLLM_ONLY_FLAGS = frozenset(
     --all2all-backend --allowed-local-media-path --allowed-media-domains --calculate-kv-scales
     --code-revision --collect-detailed-traces --config-format --cpu-offload-params
     --cuda-graph-sizes --data-parallel-backend
-   
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
     --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
-    --disable-sliding-window --enable-dbo --enable-eplb 
+    --disable-sliding-window --enable-dbo --enable-eplb
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
     --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none --fully-sharded-loras
     --h11-max-header-count --h11-max-incomplete-event-size --hf-config-path --hf-token
     --ignore-patterns --kv-events-config --limit-mm-per-prompt --log-config-file
     --log-error-stack --logits-processors --logprobs-mode --long-prefill-token-threshold
-     --max-cpu-loras --max-long-partial-prefills --max-lora-rank
+    --max-cpu-loras --max-long-partial-prefills --max-lora-rank
     --max-loras --max-num-partial-prefills --max-parallel-loading-workers
     --max-seq-len-to-capture --middleware --mm-encoder-tp-mode --mm-processor-cache-gb
     --mm-processor-kwargs --model-impl --model-loader-extra-config --num-lookahead-slots
