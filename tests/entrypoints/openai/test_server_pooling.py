@@ -109,3 +109,11 @@ def test_reranker_routes_match_hf_yes_no_probability(reranker):
         assert body["results"][0]["document"]["text"] == docs[best]
     r = srv.post("/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 400 and "/rerank" in r.json()["error"]["message"]
+
+
+def test_embedding_model_scores_by_cosine_similarity(embedder):
+    path, srv = embedder
+    vecs = torch.nn.functional.normalize(hf_embeddings(path, TEXTS), dim=-1)
+    body = srv.post("/score", json={"text_1": TEXTS[0], "text_2": TEXTS}).json()
+    assert [d["score"] for d in body["data"]] == pytest.approx(
+        [float(vecs[0] @ vecs[0]), float(vecs[0] @ vecs[1])], abs=1e-4)
