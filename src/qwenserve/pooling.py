@@ -14,20 +14,12 @@ A prompt is prefilled and not sampled: the request finishes with its pooled outp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "embedding", "score", "classify", "reward")
 CONVERTS = ("auto", "none", "embed", "classify", "reward")
 _SEQ_CLS = "ForSequenceClassification"
-
-
-@dataclass(frozen=True)
-class PoolerConfig:
-    kind: str  # "embed" | "classify"
-    # classify: the LM-head rows whose logits make the score: (negative, positive)
-    token_ids: tuple[int, ...] = ()
 
 
 def wants_pooling(runner: str, task: str, convert: str) -> bool:

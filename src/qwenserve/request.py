@@ -61,7 +61,6 @@ class Request:
     first_token_time: float | None = None
     # prompt_logprobs requests: entry i scores prompt token i + 1 (plain data from the workers)
     prompt_logprobs: list = field(default_factory=list)
-    pooled: list[float] | None = None  # pooling runner: the prompt's pooled output
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,7 +57,7 @@ def test_deltanet_state_dtype_scores_prompts_like_hf(tiny_model, state_dtype, at
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16,
               mamba_ssm_cache_dtype=state_dtype, kv_cache_memory_bytes=16 << 20)
     caches = llm.llm_engine.executor.worker.runner.caches
-    ssm = [c[1] for c in caches if isinstance(c, tuple)]
+    ssm = [state.ssm for state in caches.state.values()]
     assert ssm and all(s.dtype == getattr(torch, state_dtype) for s in ssm)
     prompt = PROMPTS[0] + list(range(100, 130))  # 72 tokens: 5 chunks
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(

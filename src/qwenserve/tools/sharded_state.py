@@ -15,8 +15,8 @@ logger = init_logger(__name__)
 
 def write_sharded_state(model: str, output: str, tp: int, expert_parallel: bool = False,
                         dtype: str = "auto", max_size_bytes: int = 5 << 30) -> None:
-    from qwenserve.config import EngineArgs
     from qwenserve.distributed.parallel_group import ParallelGroup
+    from qwenserve.engine.arg_utils import EngineArgs
     from qwenserve.models.base import ModelContext
     from qwenserve.models.loader import iter_weights
     from qwenserve.models.registry import load_model_class

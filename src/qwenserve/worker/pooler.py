@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from qwenserve.pooling import PoolerConfig
+from qwenserve.config import PoolerConfig
 
 
 def pool(model: Any, pooler: PoolerConfig, last_hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from contextlib import redirect_stderr
 
 import pytest
 
-from qwenserve.config import EngineArgs, log_option_notes
+from qwenserve.engine.arg_utils import EngineArgs, log_option_notes
 from qwenserve.entrypoints.openai.cli_args import make_serve_parser
 from qwenserve.options.additional import parse_additional_config
 from qwenserve.options.compilation import parse_compilation_config
