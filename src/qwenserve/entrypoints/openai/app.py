@@ -20,7 +20,7 @@ from qwenserve.entrypoints.openai import (
     serving_completion,
     serving_models,
 )
-from qwenserve.entrypoints.openai.errors import OpenAIError, error_body
+from qwenserve.entrypoints.openai.errors import OpenAIError, error_body, internal_error
 from qwenserve.entrypoints.openai.middleware import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -223,11 +223,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("Unexpected error while serving a request")
-        return JSONResponse(
-            error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500), status_code=500
-        )
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        error = internal_error(logger, f"Unexpected error serving {request.url.path}", exc)
+        return JSONResponse(error.body(), status_code=500)
 
 
 def build_app(

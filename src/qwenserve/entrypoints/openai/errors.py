@@ -7,6 +7,8 @@ since v0.10.1, with ``type`` naming the error class (``BadRequestError``, ``NotF
 
 from __future__ import annotations
 
+import logging
+import uuid
 from http import HTTPStatus
 from typing import Any
 
@@ -86,3 +88,13 @@ def context_length_error(
 
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+
+def internal_error(
+    logger: logging.Logger, what: str, exc: BaseException, status: int = 500
+) -> OpenAIError:
+    """An unexpected failure: the traceback goes to the log under a reference id; the client
+    gets only the id (exception types and messages can leak paths, keys or internals)."""
+    reference = uuid.uuid4().hex[:12]
+    logger.error("%s (reference %s)", what, reference, exc_info=(type(exc), exc, exc.__traceback__))
+    return OpenAIError(f"Internal error, reference {reference}; the server log has the details", status)

@@ -20,6 +20,7 @@ from qwenserve.entrypoints.openai.errors import (
     bad_request,
     context_length_error,
     from_value_error,
+    internal_error,
     model_not_found,
 )
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest
@@ -260,7 +261,7 @@ def engine_error(error: BaseException) -> OpenAIError:
     """An exception from ``AsyncEngine.generate`` -> the client's error."""
     if isinstance(error, ValueError):
         return from_value_error(error)
-    return OpenAIError(f"The engine is not running: {error}", 503)
+    return internal_error(logger, "A request failed in the engine", error, 503)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
