@@ -30,6 +30,12 @@ def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
             "--kv-cache-memory-bytes",
             "32M",
             "--disable-uvicorn-access-log",
+            "--max-num-seqs",
+            "2",
+            "--max-sequences-per-request",
+            "8",
+            "--max-queued-sequences",
+            "2",
         ],
         log,
         api_key=API_KEY,
@@ -122,3 +128,27 @@ def test_prompts_are_cut_in_request_log_lines(server):
     request_id = r.json()["id"]
     lines = [line for line in server.log().splitlines() if request_id in line]
     assert lines and all(len(line) < 800 for line in lines), max(map(len, lines))
+
+
+def test_one_request_over_the_sequence_cap_is_a_400(guarded):
+    body = {"model": SERVED, "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
+    r = guarded.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "--max-sequences-per-request" in r.text, r.text
+    assert "9 sequences" in r.json()["error"]["message"]
+
+
+def test_a_full_queue_is_a_429_until_the_work_is_gone(guarded):
+    body = {"model": SERVED, "prompt": "Hi", "n": 4, "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    url = guarded.base_url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=guarded.headers, timeout=60) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()  # (kept: a dropped iterator closes the connection)
+        next(lines)  # 2 sequences run, 2 wait: the queue is full
+        small = {"model": SERVED, "prompt": "Hi", "max_tokens": 1}
+        r = guarded.post("/v1/completions", json=small)
+        assert r.status_code == 429 and "--max-queued-sequences" in r.text, r.text
+        chat = {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        assert guarded.post("/v1/chat/completions", json=chat).status_code == 429
+    guarded.wait_idle(timeout_s=30)  # the client left: its sequences are given back
+    assert guarded.post("/v1/completions", json=small).status_code == 200

@@ -76,6 +76,8 @@ def _options(args: argparse.Namespace, model_name: str) -> Any:
         generation_overrides=dict(args.override_generation_config or {}),
         generation_config=args.generation_config or "auto",
         structured_outputs=parse_structured_outputs_config(args.structured_outputs_config),
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_queued_sequences=args.max_queued_sequences,
     )
 
 

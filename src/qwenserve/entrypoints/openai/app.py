@@ -153,7 +153,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         serving_chat.prepare_chat, state, body, request.headers.get("x-request-id")
     )
     await check_grammar(state, [job.params], job.constraint_source)
-    agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text)
+    state.admission.check(body.n)
+    agen = state.admission.admit(
+        state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text),
+        body.n,
+    )
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_chat.chat_complete(state, job, agen))
         return JSONResponse(result) if result is not None else Response(status_code=499)

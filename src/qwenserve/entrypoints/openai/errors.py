@@ -22,6 +22,7 @@ ERROR_TYPES = {
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

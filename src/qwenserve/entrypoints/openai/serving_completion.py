@@ -97,8 +97,12 @@ def prepare_completion(
 
 
 def _generators(state: ServerState, job: CompletionJob) -> list[AsyncIterator[RequestOutput]]:
+    state.admission.check(len(job.prompts) * job.n)
     return [
-        state.engine.generate(p.token_ids, p.params, f"{job.engine_id}-{i}", prompt=p.text)
+        state.admission.admit(
+            state.engine.generate(p.token_ids, p.params, f"{job.engine_id}-{i}", prompt=p.text),
+            job.n,
+        )
         for i, p in enumerate(job.prompts)
     ]
 

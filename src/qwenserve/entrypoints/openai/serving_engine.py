@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+from qwenserve.entrypoints.openai.admission import Admission
 from qwenserve.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -69,6 +70,8 @@ class ServingOptions:
     generation_overrides: dict[str, Any] = field(default_factory=dict)
     generation_config: str = "auto"  # --generation-config: auto | vllm | a folder
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    max_sequences_per_request: int = 512  # prompts x n of one request
+    max_queued_sequences: int = 4096  # sequences waiting for a batch slot, all requests
 
 
 class ServerState:
@@ -97,6 +100,11 @@ class ServerState:
         )
         self.created = int(time.time())
         self.draining = False
+        self.admission = Admission(
+            options.max_sequences_per_request,
+            options.max_queued_sequences,
+            int(getattr(config.scheduler, "max_num_seqs", 256)),
+        )
         self._counter = itertools.count()
         self._grammars: GrammarService | None = None
         self._grammars_lock = threading.Lock()  # first use may come from two pool threads
@@ -259,6 +267,8 @@ def build_sampling_params(
 
 def engine_error(error: BaseException) -> OpenAIError:
     """An exception from ``AsyncEngine.generate`` -> the client's error."""
+    if isinstance(error, OpenAIError):
+        return error
     if isinstance(error, ValueError):
         return from_value_error(error)
     return internal_error(logger, "A request failed in the engine", error, 503)
