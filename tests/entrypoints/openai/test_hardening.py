@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import httpx
 import pytest
 from oai_server import API_KEY, SERVED, RemoteServer
@@ -39,6 +42,7 @@ def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
         ],
         log,
         api_key=API_KEY,
+        env={"QWENSERVE_HTTP_HEADER_TIMEOUT": "2", "QWENSERVE_HTTP_TIMEOUT_KEEP_ALIVE": "1"},
     )
     yield srv
     srv.stop()
@@ -65,7 +69,6 @@ def test_without_root_path_the_key_is_required(server):
 def _health_while(guarded: RemoteServer, send) -> tuple[httpx.Response, float]:
     """Run ``send()`` in a thread; poll /health meanwhile. -> (its response, slowest /health)."""
     import threading
-    import time
 
     box: dict = {}
     thread = threading.Thread(target=lambda: box.setdefault("r", send()))
@@ -152,3 +155,43 @@ def test_a_full_queue_is_a_429_until_the_work_is_gone(guarded):
         assert guarded.post("/v1/chat/completions", json=chat).status_code == 429
     guarded.wait_idle(timeout_s=30)  # the client left: its sequences are given back
     assert guarded.post("/v1/completions", json=small).status_code == 200
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the server closes ``sock`` within ``seconds`` (reads what it sends meanwhile)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_that_sends_nothing_is_closed(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        assert _closed_within(sock, 6)
+
+
+def test_trickled_headers_are_cut_off(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        try:
+            for _ in range(40):  # one byte every 0.2 s would take 8 s
+                sock.sendall(b"X")
+                time.sleep(0.2)
+        except OSError:
+            pass  # closed under us: what we want
+        assert time.monotonic() - start < 6
+        assert _closed_within(sock, 3)
+
+
+def test_an_idle_keep_alive_connection_is_closed(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_within(sock, 5)

@@ -208,6 +208,12 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
     return app
 
 
+def _http_protocol() -> Any:
+    from qwenserve.entrypoints.openai.http_protocol import protocol_with_header_timeout
+
+    return protocol_with_header_timeout(envs.http_header_timeout_s())
+
+
 def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> None:
     import uvicorn
 
@@ -236,7 +242,8 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
         app,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_keep_alive=5,
+        timeout_keep_alive=envs.http_timeout_keep_alive_s(),
+        http=_http_protocol(),
         timeout_graceful_shutdown=args.shutdown_timeout,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
