@@ -63,7 +63,7 @@ def http_header_timeout_s() -> float:
 
 
 def server_dev_mode() -> bool:
-    """Serve the development routes (``/reset_prefix_cache``), as vLLM's ``VLLM_SERVER_DEV_MODE``."""
+    """Serve the development routes (``/reset_prefix_cache``), as ``VLLM_SERVER_DEV_MODE``."""
     return _flag("SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
 
 

@@ -13,6 +13,7 @@ aborts the rest, and exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
@@ -227,9 +228,15 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
                     args.shutdown_timeout,
                     state.engine.num_unfinished_requests(),
                 )
+                if self.qs_loop is not None:  # past the grace period, requests end cleanly
+                    grace = args.shutdown_timeout
+                    self.qs_loop.call_soon_threadsafe(state.start_grace_period, grace)
             super().handle_exit(sig, frame)
 
+        qs_loop: asyncio.AbstractEventLoop | None = None
+
         async def startup(self, sockets: Any = None) -> None:
+            self.qs_loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
             if self.started:  # uvicorn prints this only for sockets it binds itself
                 host, port = sock.getsockname()[:2]
@@ -244,7 +251,8 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=envs.http_timeout_keep_alive_s(),
         http=_http_protocol(),
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        # uvicorn's own cut-off comes later than ours (ServerState.stopping), as a backstop.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path or "",

@@ -98,4 +98,5 @@ def internal_error(
     gets only the id (exception types and messages can leak paths, keys or internals)."""
     reference = uuid.uuid4().hex[:12]
     logger.error("%s (reference %s)", what, reference, exc_info=(type(exc), exc, exc.__traceback__))
-    return OpenAIError(f"Internal error, reference {reference}; the server log has the details", status)
+    message = f"Internal error, reference {reference}; the server log has the details"
+    return OpenAIError(message, status)

@@ -155,7 +155,7 @@ async def complete(state: ServerState, job: CompletionJob) -> dict[str, Any]:
         async for i, out in merge_async_iterators(*_generators(state, job)):
             finals[i] = out
     except asyncio.CancelledError:
-        _log(state, job, None, "abort (client left)")
+        _log(state, job, None, state.abort_reason())
         raise
     except Exception as e:
         _log(state, job, None, "error")
@@ -253,7 +253,7 @@ async def stream_completion(
             yield sse({**_chunk(job, []), "usage": usage_body})
         _log(state, job, usage_body, ",".join(stream.finishes))
     except (GeneratorExit, asyncio.CancelledError):
-        _log(state, job, None, "abort (client left)")
+        _log(state, job, None, state.abort_reason())
         raise
     except Exception as e:
         yield sse(engine_error(e).body())

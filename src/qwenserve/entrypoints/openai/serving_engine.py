@@ -100,6 +100,9 @@ class ServerState:
         )
         self.created = int(time.time())
         self.draining = False
+        # Set once SIGTERM's grace period (--shutdown-timeout) is over: requests still open end
+        # with a 503 or an SSE error event instead of being cut.
+        self.stopping = asyncio.Event()
         self.admission = Admission(
             options.max_sequences_per_request,
             options.max_queued_sequences,
@@ -113,6 +116,14 @@ class ServerState:
         self._cpu_pool = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="qwenserve-cpu"
         )
+
+    def start_grace_period(self, grace_s: float) -> None:
+        """Called on the event loop when SIGTERM/SIGINT arrives."""
+        asyncio.get_running_loop().call_later(grace_s, self.stopping.set)
+
+    def abort_reason(self) -> str:
+        """What the request log line says when a request ends early."""
+        return "abort (server shutting down)" if self.stopping.is_set() else "abort (client left)"
 
     async def offload(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run CPU-heavy request work (tokenize, render, detokenize) off the event loop."""
