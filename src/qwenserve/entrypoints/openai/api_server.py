@@ -48,7 +48,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def build_engine_args(args: argparse.Namespace) -> Any:
-    from qwenserve.config import EngineArgs
+    from qwenserve.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag or args.model

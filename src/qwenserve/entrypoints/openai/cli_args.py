@@ -15,7 +15,7 @@ import textwrap
 import types
 from typing import Any
 
-from qwenserve.config import EngineArgs, human_readable_int
+from qwenserve.engine.arg_utils import EngineArgs, human_readable_int
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
 from qwenserve.structured_output.config import (
