@@ -8,44 +8,7 @@ import time
 
 import httpx
 import pytest
-from oai_server import API_KEY, SERVED, RemoteServer
-
-ROOT = "/api"
-LONG_CONTEXT = 32768  # prompts up to 32 x this many characters get tokenized (seconds of work)
-
-
-@pytest.fixture(scope="module")
-def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
-    log = tmp_path_factory.mktemp("guarded") / "serve.log"
-    srv = RemoteServer(
-        [
-            tiny_model("qwen2", max_position_embeddings=LONG_CONTEXT),
-            "--served-model-name",
-            SERVED,
-            "--api-key",
-            API_KEY,
-            "--root-path",
-            ROOT,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            str(LONG_CONTEXT),
-            "--kv-cache-memory-bytes",
-            "32M",
-            "--disable-uvicorn-access-log",
-            "--max-num-seqs",
-            "2",
-            "--max-sequences-per-request",
-            "8",
-            "--max-queued-sequences",
-            "2",
-        ],
-        log,
-        api_key=API_KEY,
-        env={"QWENSERVE_HTTP_HEADER_TIMEOUT": "2", "QWENSERVE_HTTP_TIMEOUT_KEEP_ALIVE": "1"},
-    )
-    yield srv
-    srv.stop()
+from oai_server import ROOT, SERVED, RemoteServer
 
 
 def test_root_path_keeps_the_api_key_required(guarded):
