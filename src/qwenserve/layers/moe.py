@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwenserve.distributed.parallel_group import ParallelGroup
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _SHARED = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}
@@ -236,3 +242,34 @@ class SparseMoeBlock(nn.Module):
             self.gate.weight.copy_(tensor)
         else:
             raise KeyError(f"SparseMoeBlock: unexpected weight name {name!r}")
+
+
+def is_moe_layer(cfg: PretrainedConfig, layer_id: int) -> bool:
+    """Sparse-MoE MLP here? Every ``decoder_sparse_step``-th layer, minus ``mlp_only_layers``
+    (every layer in the released Qwen3-MoE and Qwen3.5-MoE models)."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (getattr(cfg, "num_experts", 0) > 0 and (layer_id + 1) % step == 0
+            and layer_id not in (getattr(cfg, "mlp_only_layers", None) or ()))
+
+
+class MoEBlock(SparseMoeBlock):
+    """The MoE feed-forward block of a decoder layer, sized from the model config; its
+    tensor-parallel partial sums are all-reduced (one collective, as for a dense MLP).
+
+    ``renormalize`` None: the config's ``norm_topk_prob`` decides (Qwen3-MoE, Qwen3-Next)."""
+
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
+                 shared_intermediate_size: int = 0, renormalize: bool | None = None) -> None:
+        super().__init__(
+            num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", True)) if renormalize is None
+            else renormalize,
+            shared_intermediate_size=shared_intermediate_size, dtype=dtype,
+            shard=MoEShard(tp_rank=tp.rank, tp_size=tp.world_size))
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
