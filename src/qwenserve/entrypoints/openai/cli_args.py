@@ -185,7 +185,12 @@ FRONTEND_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--root-path", {"help": "ASGI root_path behind a path-based proxy."}),
     (
         "--max-log-len",
-        {"type": int, "help": "Longest prompt text (characters) shown in request log lines."},
+        {
+            "type": int,
+            "default": 500,
+            "help": "Longest prompt text (characters) shown in request log lines (qwenserve's "
+            "default: 500; vLLM's logs whole prompts).",
+        },
     ),
     (
         "--max-request-body-bytes",
