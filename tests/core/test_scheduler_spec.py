@@ -7,9 +7,9 @@ from qwenserve.config import SchedulerConfig
 from qwenserve.core.scheduler import Scheduler
 
 
-def make(k=3, budget=64, disable=None, lookahead=0, num_blocks=64, max_model_len=256):
+def make(k=3, budget=64, disable=None, num_blocks=64, max_model_len=256):
     cache = CacheManager(num_blocks, 4, True)
-    return Scheduler(SchedulerConfig(16, budget, max_model_len, k, disable, lookahead), cache)
+    return Scheduler(SchedulerConfig(16, budget, max_model_len, k, disable), cache)
 
 
 def step(sched, accepted=0, drafts=None, token=7):
@@ -76,12 +76,3 @@ def test_stop_token_inside_the_accepted_drafts_truncates():
     out, updates = step(sched, accepted=3)
     assert [u.new_token.token_id for u in updates] == [4, 5]
     assert updates[-1].finished and req.output_token_ids == [7, 4, 5]
-
-
-def test_lookahead_slots_are_allocated():
-    sched = make(lookahead=3)
-    req = make_request(num_tokens=4, max_tokens=20)
-    sched.add_request(req)
-    step(sched)
-    # 4 prompt tokens + 3 lookahead slots: 2 blocks of 4
-    assert len(sched.cache.block_ids(req.request_id)) == 2

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from qwenserve.config import PoolerConfig
 from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOutput
 from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.layers.backends import Backends
@@ -23,6 +24,7 @@ from qwenserve.spec_decode import state_rollback
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
+from qwenserve.worker.pooler import pool
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
@@ -54,6 +56,7 @@ class ModelRunner:
     def __init__(self, model: Any, caches: ModelCaches, backends: Backends, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
+                 pooler: PoolerConfig | None = None,
                  proposer: Proposer | None = None) -> None:
         self.model = model
         self.caches = caches
@@ -66,6 +69,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # Structured outputs and thinking budgets: the driver's matchers (None on other ranks).
         self.grammars = grammars
+        self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
         self.proposer = proposer  # speculative decoding (driver only)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -102,6 +106,7 @@ class ModelRunner:
         # Single-token chunks (decodes) first: the attention backend batches them together.
         chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
         batch = self._prepare(chunks)
+        self._copy_states(sched.state_saves)  # before the restores: they may read a new save
         self._copy_states(sched.state_restores)
         verifying = [c for c in chunks if c.num_draft_tokens] \
             if self.recurrent_backend is not None else []
@@ -109,9 +114,10 @@ class ModelRunner:
             self.caches, [self.requests[c.request_id].state_slot for c in verifying],
             self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
+        if self.pooler is not None:
+            return self._pooled(chunks, hidden[batch.logits_indices])
         if self.proposer is not None:
             self.proposer.forward(batch)
-        self._copy_states(sched.state_saves)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
@@ -136,6 +142,14 @@ class ModelRunner:
             output.draft_token_ids = self.proposer.propose(self._draftable(sampled_chunks),
                                                            self.requests)
         return output
+
+    def _pooled(self, chunks: list[ScheduledChunk], last_hidden: torch.Tensor) -> ModelOutput:
+        """Prefill-only: each prompt's pooled output when its last chunk ran (no sampling)."""
+        pooled = pool(self.model, self.pooler, last_hidden)  # [num_finished_prompts, D]
+        if not self.is_driver:
+            return ModelOutput()
+        finished = [c.request_id for c in chunks if c.sample]
+        return ModelOutput(pooled=dict(zip(finished, pooled.cpu().tolist(), strict=True)))
 
     def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
                           num_accepted: dict[str, int]) -> None:
@@ -180,7 +194,7 @@ class ModelRunner:
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy recurrent-state slots (conv and SSM state of every DeltaNet layer) src -> dst;
-        the scheduler never lets a slot be both in one list."""
+        all sources are read before any destination is written."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
