@@ -163,7 +163,8 @@ def test_seeded_sampling_runs_and_is_reproducible(spec, runner, expected):
     assert ids(gen(spec, params)) == ids(gen(spec, params))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("qwen3_next",
+                                                      marks=pytest.mark.benchmark)])
 def test_hybrid_models_roll_their_state_back(tiny_model, arch):
     """Gated DeltaNet state after a rejection is recomputed over the kept tokens: greedy
     output equals plain decoding with drafts right, wrong at 1 and wrong at 0, under prefix
