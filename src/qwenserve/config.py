@@ -15,6 +15,7 @@ from typing import Any
 
 from qwenserve import envs
 from qwenserve.core.scheduler import SchedulerLimits
+from qwenserve.multimodal.config import MultiModalConfig, resolve_multimodal_config
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 QUANTIZATIONS = ("compressed-tensors", "ascend", "int8", "w8a8")
@@ -90,6 +91,24 @@ class EngineArgs:
                                               group="SchedulerConfig", type=human_readable_int)
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", default=1,
                                      group="ParallelConfig", type=int, aliases=("-tp",))
+    limit_mm_per_prompt: str | None = _opt(
+        'Most images per prompt, as JSON: {"image": 4} (vLLM\'s forms; default 999). '
+        '{"image": 0} refuses images.', group="MultiModalConfig")
+    mm_processor_kwargs: str | None = _opt(
+        'Image processor settings, as JSON: {"min_pixels": ..., "max_pixels": ...} or '
+        '{"size": {"shortest_edge": ..., "longest_edge": ...}}.', group="MultiModalConfig")
+    mm_processor_cache_gb: float = _opt("GiB of processed images kept across requests "
+                                        "(0: none).", default=4.0, group="MultiModalConfig",
+                                        type=float)
+    language_model_only: bool = _opt("Load only the language model of a vision-language "
+                                     "checkpoint (no vision tower; images refused).",
+                                     default=False, group="MultiModalConfig")
+    allowed_local_media_path: str | None = _opt(
+        "Folder whose files requests may name as file:// image URLs (default: none).",
+        group="MultiModalConfig")
+    allowed_media_domains: list[str] | None = _opt(
+        "Hosts whose http(s) image URLs the server fetches (default: none).",
+        group="MultiModalConfig", nargs="+")
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -108,6 +127,8 @@ class EngineArgs:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = meta.get("type", str)
+                if "nargs" in meta:
+                    kwargs["nargs"] = meta["nargs"]
                 if "choices" in meta:
                     kwargs["choices"] = meta["choices"]
             group.add_argument(*names, **kwargs)
@@ -155,6 +176,7 @@ class EngineArgs:
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            multimodal=resolve_multimodal_config(self),
         )
 
 
@@ -190,3 +212,4 @@ class EngineConfig:
     platform_name: str
     seed: int = 0
     max_logprobs: int = 20
+    multimodal: MultiModalConfig = MultiModalConfig()

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.sampling_params import SamplingParams
 
 
@@ -61,6 +62,12 @@ class Request:
     first_token_time: float | None = None
     # prompt_logprobs requests: entry i scores prompt token i + 1 (plain data from the workers)
     prompt_logprobs: list = field(default_factory=list)
+    mm_inputs: MultiModalInputs | None = None  # the prompt's images, if any
+
+    def block_extra_key(self, start: int, end: int) -> bytes:
+        """What the prefix-cache key of the block of tokens ``[start, end)`` adds to its token
+        ids: the content hashes of the images inside it (nothing for text)."""
+        return b"" if self.mm_inputs is None else self.mm_inputs.block_extra_key(start, end)
 
     @property
     def num_prompt_tokens(self) -> int:

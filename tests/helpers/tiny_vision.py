@@ -109,3 +109,55 @@ def hf_vl_model(family: str, seed: int = 0) -> Any:
     model = model_cls(cfg).eval()
     randomize_(model, seed)
     return model
+
+
+def make_tiny_vl_checkpoint(family: str, path: str, seed: int = 0) -> str:
+    """A ``*ForConditionalGeneration`` folder (tower + decoder, random weights) with the
+    tokenizer and preprocessor_config.json, as published checkpoints ship (skipped if there)."""
+    import os
+
+    import transformers as tf
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    base = hf_vl_model(family, seed)
+    cls = (tf.Qwen3_5ForConditionalGeneration if family == "qwen3_5"
+           else tf.Qwen3VLForConditionalGeneration)
+    tokenizer = vl_tokenizer()
+    cfg = base.config
+    cfg.text_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    write_preprocessor_config(path)
+    return path
+
+
+def load_hf_vl(path: str) -> Any:
+    import transformers as tf
+
+    return tf.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_vl_greedy(model: Any, prompt_ids: list[int], processed: list[Any],
+                 max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs by full recomputation each step (the plainest
+    reference: HF's own M-RoPE index over the whole sequence every time)."""
+    ids = list(prompt_ids)
+    kwargs = {}
+    if processed:
+        kwargs = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
+                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]))
+    logprobs = []
+    for _ in range(max_new_tokens):
+        t = torch.tensor([ids])
+        extra = dict(kwargs, mm_token_type_ids=(t == model.config.image_token_id).int()
+                     ) if processed else {}
+        logits = model(input_ids=t, **extra).logits[0, -1].float()
+        token = int(logits.argmax())
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        ids.append(token)
+    return ids[len(prompt_ids):], logprobs

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from qwenserve.core.cache.manager import CacheManager
+from qwenserve.core.encoder_budget import EncoderBudget, fit_chunk
 from qwenserve.core.sched_output import (
     ModelOutput,
     NewRequestData,
@@ -62,6 +63,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # workers drop their state for these next step
         self._finished: list[Request] = []  # for stats, drained by stats()
         self.num_preemptions = 0
+        self._encoder_budget = EncoderBudget(limits.max_num_batched_tokens)
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -92,6 +94,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        self._encoder_budget = EncoderBudget(self.limits.max_num_batched_tokens)
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
@@ -109,6 +112,10 @@ class Scheduler:
             req = self.running[i]
             num_new = self._chunk_len(req, req.num_computed_tokens,
                                       min(req.num_tokens - req.num_computed_tokens, budget))
+            num_new = self._fit_encoder(req, req.num_computed_tokens, num_new, first_chunk=False)
+            if num_new == 0:  # its next image waits for a step with encoder budget left
+                i += 1
+                continue
             new_blocks = self.cache.allocate(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # the most recently admitted, never one scheduled
@@ -132,7 +139,9 @@ class Scheduler:
             num_hit = len(hit_blocks) * self.cache.block_size
             checkpoint = self.cache.checkpoint_slot(req, len(hit_blocks))
             num_new = self._chunk_len(req, num_hit, min(req.num_tokens - num_hit, budget))
-            if self.cache.allocate(req, num_new, hit_blocks, keep_slot=checkpoint) is None:
+            num_new = self._fit_encoder(req, num_hit, num_new, first_chunk=True)
+            if num_new == 0 or self.cache.allocate(req, num_new, hit_blocks,
+                                                   keep_slot=checkpoint) is None:
                 break  # FCFS: later requests wait behind this one
             if checkpoint is not None:
                 out.state_restores.append(self.cache.restore_state(req, checkpoint))
@@ -150,6 +159,7 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 block_ids=list(self.cache.block_ids(req.request_id)),
                 state_slot=self.cache.state_slot(req.request_id),
+                mm_inputs=req.mm_inputs,
             ))
             out.chunks.append(self._chunk(req, num_new, []))
             budget -= num_new
@@ -161,6 +171,13 @@ class Scheduler:
         if position is not None and start < position < start + num_new:
             return position - start
         return num_new
+
+    def _fit_encoder(self, req: Request, start: int, num_new: int, first_chunk: bool) -> int:
+        """Cut the chunk before an image the step's encoder budget cannot take (text: as is)."""
+        if req.mm_inputs is None or start >= req.num_prompt_tokens:
+            return num_new
+        return fit_chunk(req.mm_inputs.placements, start, num_new, first_chunk,
+                         self._encoder_budget)
 
     def _save_states(self, out: SchedulerOutput) -> None:
         """State checkpoints at the block boundaries where this step's prefill chunks end

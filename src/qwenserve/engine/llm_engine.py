@@ -16,6 +16,8 @@ from qwenserve.core.scheduler import Scheduler
 from qwenserve.engine.executor import make_executor
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.logger import init_logger
+from qwenserve.multimodal.front import ImageInputs
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
@@ -49,8 +51,17 @@ class LLMEngine:
         # children). They reach the scheduler once it is ready, so they never stall others.
         self._awaiting_grammar: list[tuple[Future, str, list[Request]]] = []
         self._grammars: GrammarService | None = None
+        self.image_inputs = self._image_inputs()
         self.startup_s = time.perf_counter() - start
         self._log_startup()
+
+    def _image_inputs(self) -> ImageInputs | None:
+        """The image front (processor, placeholders) of a vision-language model; None for text
+        models, ``--language-model-only`` and ``--limit-mm-per-prompt '{"image": 0}'``."""
+        mc, mm = self.config.model, self.config.multimodal
+        if not mc.has_vision or mm.image_limit == 0:
+            return None
+        return ImageInputs.for_model(mc.source.folder, mc.hf_config, self.tokenizer, mm)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -72,10 +83,13 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request (``arrival_time`` is ``time.monotonic()``-based)."""
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    mm_inputs: MultiModalInputs | None = None) -> None:
+        """Queue a request (``arrival_time`` is ``time.monotonic()``-based). A prompt with images
+        comes expanded, with its ``mm_inputs`` (``ImageInputs.prepare``)."""
         if self.outputs.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_images(prompt_token_ids, mm_inputs, params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self.validate_request(prompt_token_ids, params, compile_grammar=False)
         params = self._finalize_params(params)
@@ -95,12 +109,36 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + int(child_id.split("_", 1)[0]))
             children.append(Request(child_id, list(prompt_token_ids), child_params, max_tokens,
-                                    arrival_time=arrival))
+                                    arrival_time=arrival, mm_inputs=mm_inputs))
         if grammar is not None and not grammar.done():
             self._awaiting_grammar.append((grammar, request_id, children))
             return
         for req in children:
             self.scheduler.add_request(req)
+
+    def check_images(self, prompt_token_ids: list[int], mm_inputs: MultiModalInputs | None,
+                     params: SamplingParams) -> None:
+        """Images only for a model that takes them, with every placeholder filled, untruncated."""
+        if mm_inputs is None:
+            image_token = getattr(self.config.model.hf_config, "image_token_id", None)
+            if self.image_inputs is not None and image_token in prompt_token_ids:
+                raise ValueError("the prompt has image placeholder tokens but no images were "
+                                 "given; pass the images (multi_modal_data / image parts)")
+            return
+        if self.image_inputs is None:
+            raise ValueError(self.images_refused_reason())
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut "
+                             "an image's tokens)")
+
+    def images_refused_reason(self) -> str:
+        mc, mm = self.config.model, self.config.multimodal
+        if mm.language_model_only:
+            return "image inputs are disabled: the server runs with --language-model-only"
+        if mc.has_vision:
+            return ("image inputs are disabled on this server (--limit-mm-per-prompt "
+                    "'{\"image\": 0}')")
+        return f"{mc.name} is a text-only model; it does not take image inputs"
 
     def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """``truncate_prompt_tokens``: keep the last k tokens (-1: as many as fit)."""

@@ -40,6 +40,12 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @property
+    def has_vision(self) -> bool:
+        """A vision tower is built (a vision-language checkpoint without
+        --language-model-only)."""
+        return getattr(self.hf_config, "vision_config", None) is not None
+
+    @property
     def num_hidden_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
@@ -56,6 +62,8 @@ def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
         hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder)
         generation = _read_generation_config(source.folder, args.generation_config)
         eos_ids = _merge_ids(eos_ids, generation.pop("eos_token_id", None))
+    if getattr(args, "language_model_only", False) and hasattr(hf_config, "vision_config"):
+        hf_config.vision_config = None
     from qwenserve.quantization import resolve_quantization
 
     quant_method, quant_config = resolve_quantization(hf_config, args.quantization)
@@ -82,12 +90,24 @@ def read_hf_config(folder: str) -> tuple[Any, tuple[int, ...], str]:
     config = AutoConfig.from_pretrained(folder)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     text_config.architectures = raw.get("architectures")
+    _attach_vision(config, text_config)
     if "quantization_config" in raw and not hasattr(text_config, "quantization_config"):
         text_config.quantization_config = raw["quantization_config"]
     ckpt_dtype = str(raw.get("torch_dtype") or raw.get("dtype")
                      or (raw.get("text_config") or {}).get("dtype") or "float32")
     eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
     return text_config, _merge_ids((), eos), ckpt_dtype
+
+
+def _attach_vision(config: Any, text_config: Any) -> None:
+    """A vision-language checkpoint's tower config and image token ids ride on the text config
+    (the one config the model classes receive)."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None or text_config is config:
+        return
+    text_config.vision_config = vision
+    for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(text_config, name, getattr(config, name))
 
 
 def _read_generation_config(folder: str, mode: str) -> dict:

@@ -41,6 +41,8 @@ from qwenserve.models.base import (
 from qwenserve.models.dense import MLP, linear_method
 from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
 from qwenserve.models.qwen3_moe import MoEBlock
+from qwenserve.models.vision.tower import VisionOutput
+from qwenserve.models.vision_language import build_vision, merge_images, split_vision_weights
 from qwenserve.worker.forward_batch import ForwardBatch
 
 logger = init_logger(__name__)
@@ -241,9 +243,18 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 caches: list[Any]) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer, cache in zip(self.model.layers, caches):
+        return self.decode(self.model.embed_tokens(input_ids), positions, batch, caches)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+               caches: list[Any],
+               after_layer: Any = None) -> torch.Tensor:
+        """The decoder layers on input embeddings; ``after_layer(i, hidden)`` (Qwen3-VL's
+        deep-stack features) may change each layer's output."""
+        residual = None
+        for i, (layer, cache) in enumerate(zip(self.model.layers, caches)):
             x, residual = layer(positions, x, residual, batch, cache, self.rotary)
+            if after_layer is not None:
+                x = after_layer(i, x)
         x, _ = self.model.norm(x, residual)
         return x
 
@@ -251,6 +262,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        check_all_loaded(self, self.load_text_weights(weights), source)
+
+    def load_text_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the language model's tensors; returns the parameter names loaded."""
         blocks = {f"model.layers.{i}.mlp.": layer.mlp for i, layer in
                   enumerate(self.model.layers) if isinstance(layer.mlp, MoEBlock)}
         loaded: set[str] = set()
@@ -263,7 +278,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         text = split_qwen3_next_projections(_text_weights(weights), self.config)
         rest = split_module_weights(text, blocks, loaded)
         loaded |= load_named_weights(self, rest, stacked=stacked, skip=skip)
-        check_all_loaded(self, loaded, source)
+        return loaded
 
 
 def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
@@ -310,7 +325,30 @@ def split_qwen3_next_projections(weights: Iterable[tuple[str, torch.Tensor]], cf
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The published VLM checkpoints, served as text models."""
+    """The published VLM checkpoints: the text model plus the vision tower and M-RoPE
+    (``models/vision_language.py``); text only with ``--language-model-only``."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx)
+        self.visual = build_vision(self, ctx)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                caches: list[Any]) -> torch.Tensor:
+        x, positions, after_layer = merge_images(self.model.embed_tokens(input_ids), positions,
+                                                 batch)
+        return self.decode(x, positions, batch, caches, after_layer)
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+                      ) -> VisionOutput:
+        assert self.visual is not None, "text-only model (--language-model-only)"
+        return self.visual(pixel_values, grids)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        vision: list[tuple[str, torch.Tensor]] = []
+        loaded = self.load_text_weights(split_vision_weights(weights, vision, self.visual))
+        if self.visual is not None:
+            loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
+        check_all_loaded(self, loaded, source)
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):

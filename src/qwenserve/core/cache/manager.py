@@ -51,7 +51,8 @@ class CacheManager:
         if not self.enable_prefix_caching:
             return []
         tokens = req.all_token_ids
-        extend_block_hashes(req.block_hashes, tokens, self.block_size, len(tokens))
+        extend_block_hashes(req.block_hashes, tokens, self.block_size, len(tokens),
+                            req.block_extra_key)
         max_blocks = (len(tokens) - 1) // self.block_size
         hit: list[int] = []
         for block_hash in req.block_hashes[:max_blocks]:
@@ -69,7 +70,7 @@ class CacheManager:
         if self.state_slots is None or not num_hit_blocks:
             return None
         extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
-                            num_hit_blocks * self.block_size)
+                            num_hit_blocks * self.block_size, req.block_extra_key)
         return self.state_slots.lookup(req.block_hashes[num_hit_blocks - 1])
 
     def restore_state(self, req: Request, checkpoint_slot: int) -> tuple[int, int]:
@@ -88,7 +89,8 @@ class CacheManager:
         position = (req.num_tokens - 1) // self.block_size * self.block_size
         if position <= req.num_computed_tokens:
             return None
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, position)
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, position,
+                            req.block_extra_key)
         if self.state_slots.lookup(req.block_hashes[position // self.block_size - 1]) is not None:
             return None
         return position
@@ -102,7 +104,8 @@ class CacheManager:
         if (not self.enable_prefix_caching or self.state_slots is None
                 or num_tokens % self.block_size or not num_tokens):
             return None
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_tokens)
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_tokens,
+                            req.block_extra_key)
         block_hash = req.block_hashes[num_tokens // self.block_size - 1]
         slot = self.state_slots.reserve_checkpoint(block_hash, exclude=taken)
         return None if slot is None else (self.state_slots.get(req.request_id), slot)
@@ -156,7 +159,7 @@ class CacheManager:
         if num_full <= start:
             return
         extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
-                            num_full * self.block_size)
+                            num_full * self.block_size, req.block_extra_key)
         for i in range(start, num_full):
             self.pool.cache(blocks[i], req.block_hashes[i])
         self.num_cached_blocks[req.request_id] = num_full
