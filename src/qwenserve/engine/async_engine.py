@@ -20,6 +20,7 @@ from typing import Any
 
 from qwenserve.config import EngineArgs
 from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.logger import init_logger
 from qwenserve.outputs import RequestOutput
 from qwenserve.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     arrival_time: float
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass
@@ -84,19 +86,22 @@ class AsyncEngine:
         return self.engine.config
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, prompt: str | None = None
+                       request_id: str, prompt: str | None = None,
+                       mm_inputs: MultiModalInputs | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; raises ``ValueError`` at once for a
         request the engine would refuse, and ``EngineDeadError`` if the engine fails."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
+        self.engine.check_images(prompt_token_ids, mm_inputs, params)
         self.engine.validate_request(prompt_token_ids, params)
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), out_queue)
-        self._send(_Add(request_id, prompt_token_ids, params, prompt, time.monotonic()))
+        self._send(_Add(request_id, prompt_token_ids, params, prompt, time.monotonic(),
+                        mm_inputs))
         finished = False
         try:
             while not finished:
@@ -192,7 +197,8 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                        command.params, command.prompt, command.arrival_time)
+                                        command.params, command.prompt, command.arrival_time,
+                                        command.mm_inputs)
             except ValueError as e:
                 self._deliver(command.request_id, e)
 

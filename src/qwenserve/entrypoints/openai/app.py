@@ -142,9 +142,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
     _warn_ignored(body)
-    job = serving_chat.prepare_chat(state, body, request.headers.get("x-request-id"))
+    job = await serving_chat.prepare_chat(state, body, request.headers.get("x-request-id"))
     await check_grammar(state, [job.params], job.constraint_source)
-    agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text)
+    images = {"mm_inputs": job.mm_inputs} if job.mm_inputs is not None else {}
+    agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id,
+                                 prompt=job.prompt_text, **images)
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_chat.chat_complete(state, job, agen))
         return JSONResponse(result) if result is not None else Response(status_code=499)

@@ -96,7 +96,7 @@ FIELDS: tuple[RequestField, ...] = (
     _r("logprob_token_ids", note="not implemented"),
     _r("prompt_embeds", COMPLETION, note="prompt embeddings are not implemented"),
     _r("media_io_kwargs", CHAT, note="multimodal input is not implemented"),
-    _r("mm_processor_kwargs", CHAT, note="multimodal input is not implemented"),
+    _h("mm_processor_kwargs", CHAT, "min_pixels / max_pixels / size of the image processor"),
     _r("mm_payload", note="multimodal input is not implemented"),
     _r("return_mm_kwargs", default=False, note="multimodal input is not implemented"),
     _r("session_id", note="sessions are not implemented"),

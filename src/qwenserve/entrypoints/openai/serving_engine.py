@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve.entrypoints.openai.errors import (
     OpenAIError,
@@ -23,6 +24,9 @@ from qwenserve.outputs import Logprob
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 from qwenserve.structured_output.config import StructuredOutputsConfig
 from qwenserve.structured_output.service import GrammarService
+
+if TYPE_CHECKING:
+    from qwenserve.entrypoints.openai.chat_images import ServerImages
 
 logger = init_logger("qwenserve.entrypoints.openai")
 
@@ -86,6 +90,13 @@ class ServerState:
         self.draining = False
         self._counter = itertools.count()
         self._grammars: GrammarService | None = None
+
+    @functools.cached_property
+    def images(self) -> ServerImages:
+        """Image parts of chats: placeholders, limits, loading (``chat_images.py``)."""
+        from qwenserve.entrypoints.openai.chat_images import ServerImages
+
+        return ServerImages(self.engine)
 
     def grammar_service(self) -> GrammarService:
         """The grammar compiler (shared with an in-process engine: one compile per spec)."""
