@@ -142,3 +142,45 @@ def test_prefix_cache_hits_a_shared_image_and_misses_a_different_one(vl):
     assert miss.num_cached_tokens == 0
     assert miss.outputs[0].token_ids != first.outputs[0].token_ids or (
         miss.outputs[0].logprobs != first.outputs[0].logprobs)
+
+
+def test_offline_chat_with_image_parts_and_refusals(vl, tmp_path):
+    llm = LLM(vl[0], dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 2},
+              allowed_local_media_path=str(tmp_path))
+    a, b = random_image(40, 24, seed=1), random_image(20, 72, seed=2)
+    b.save(tmp_path / "b.png")
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "The capital of France"},
+        {"type": "image_pil", "image_pil": a},
+        {"type": "text", "text": "is Paris"},
+        {"type": "image_url", "image_url": {"url": (tmp_path / "b.png").as_uri()}},
+        {"type": "text", "text": "?"}]}]
+    by_chat = llm.chat(messages, greedy())[0]
+    front = llm.llm_engine.image_inputs
+    text = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "\n".join(["The capital of France", front.placeholder,
+                                                  "is Paris", front.placeholder, "?"])}],
+        tokenize=False, add_generation_prompt=True)  # parts joined by newlines, as vLLM
+    by_generate = llm.generate({"prompt": text, "multi_modal_data": {"image": [a, b]}},
+                               greedy())[0]
+    assert by_chat.prompt_token_ids == by_generate.prompt_token_ids
+    assert by_chat.outputs[0].token_ids == by_generate.outputs[0].token_ids
+    with pytest.raises(ValueError, match="At most 2 image"):
+        llm.generate({"prompt": front.placeholder * 3, "multi_modal_data": {"image": [a] * 3}})
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": a}})
+    with pytest.raises(ValueError, match="no images were given"):
+        llm.generate(front.placeholder)
+    with pytest.raises(ValueError, match="allowed-local-media-path"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}]}])
+
+
+def test_language_model_only_serves_text_and_refuses_images(vl):
+    llm = LLM(vl[0], dtype="float32", max_model_len=128, language_model_only=True)
+    assert llm.llm_engine.executor.worker.model.visual is None
+    out = llm.generate("Hello", greedy())[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    with pytest.raises(ValueError, match="--language-model-only"):
+        llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>",
+                      "multi_modal_data": {"image": random_image(16, 16)}})

@@ -79,7 +79,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        from qwenserve.entrypoints.chat_utils import apply_chat_template
+        from qwenserve.entrypoints.chat_utils import apply_chat_template, normalize_messages
 
         prompts = []
         for conv in conversations:
@@ -87,7 +87,7 @@ class LLM:
             chat = extract_chat_images(conv, front.placeholder if front else "",
                                        self.llm_engine.config.multimodal.image_limit)
             ids = apply_chat_template(
-                self.get_tokenizer(), chat.messages, chat_template=chat_template, tools=tools,
+                self.get_tokenizer(), normalize_messages(chat.messages), chat_template=chat_template, tools=tools,
                 add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": ids, "_images": chat.images})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
