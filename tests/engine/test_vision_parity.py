@@ -184,3 +184,15 @@ def test_language_model_only_serves_text_and_refuses_images(vl):
     with pytest.raises(ValueError, match="--language-model-only"):
         llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>",
                       "multi_modal_data": {"image": random_image(16, 16)}})
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_vl"])
+def test_other_families_match_hf(tmp_path_factory, family):
+    """Qwen3.5-MoE (same decoder class, MoE layers) and Qwen3-VL (Qwen3 decoder, deep-stack
+    features), chunked so that prefill chunks cut the images, batched with a text prompt."""
+    path = make_tiny_vl_checkpoint(family, str(tmp_path_factory.mktemp("vl") / family))
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    prompts = _prompts()
+    names = ["two_sizes", "text_only", "image_text_image"]
+    outs = llm.generate([engine_prompt(llm, prompts[n]) for n in names], greedy())
+    check((path, load_hf_vl(path), {}), llm, names, outs)

@@ -97,6 +97,11 @@ def hf_vl_model(family: str, seed: int = 0) -> Any:
         cfg = tf.Qwen3_5Config(text_config=text, vision_config={**VISION, "out_hidden_size": 64},
                                **ids)
         model_cls = tf.Qwen3_5Model
+    elif family == "qwen3_5_moe":
+        text = _config("qwen3_5_moe", vocab_size=520).to_dict()
+        cfg = tf.Qwen3_5MoeConfig(text_config=text,
+                                  vision_config={**VISION, "out_hidden_size": 64}, **ids)
+        model_cls = tf.Qwen3_5MoeModel
     else:
         text = dict(vocab_size=520, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=12,
@@ -121,8 +126,9 @@ def make_tiny_vl_checkpoint(family: str, path: str, seed: int = 0) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     base = hf_vl_model(family, seed)
-    cls = (tf.Qwen3_5ForConditionalGeneration if family == "qwen3_5"
-           else tf.Qwen3VLForConditionalGeneration)
+    cls = {"qwen3_5": tf.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_moe": tf.Qwen3_5MoeForConditionalGeneration,
+           "qwen3_vl": tf.Qwen3VLForConditionalGeneration}[family]
     tokenizer = vl_tokenizer()
     cfg = base.config
     cfg.text_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
