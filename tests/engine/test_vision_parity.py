@@ -196,3 +196,23 @@ def test_other_families_match_hf(tmp_path_factory, family):
     names = ["two_sizes", "text_only", "image_text_image"]
     outs = llm.generate([engine_prompt(llm, prompts[n]) for n in names], greedy())
     check((path, load_hf_vl(path), {}), llm, names, outs)
+
+
+@pytest.mark.usefixtures("one_thread_per_rank")
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+def test_tensor_parallel_2_matches_hf(vl, tmp_path_factory, family):
+    """Both ranks run the tower (split by heads) on the pixels the request carries to them."""
+    if family == "qwen3_5":
+        path, hf = vl[0], vl
+    else:
+        path = make_tiny_vl_checkpoint(family, str(tmp_path_factory.mktemp("vl") / family))
+        hf = (path, load_hf_vl(path), {})
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
+    prompts = _prompts()
+    names = ["two_sizes", "text_only", "image_text_image"]
+    try:
+        outs = llm.generate([engine_prompt(llm, prompts[n]) for n in names], greedy())
+        check(hf, llm, names, outs)
+    finally:
+        llm.llm_engine.shutdown()
