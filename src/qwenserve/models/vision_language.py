@@ -18,9 +18,12 @@ import torch
 from torch import nn
 
 from qwenserve.layers.mrope import MRotaryEmbedding, mrope_layout
+from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
 from qwenserve.models.vision.tower import VISION_PREFIX, Qwen3VisionTower
 from qwenserve.worker.forward_batch import ForwardBatch
+
+logger = init_logger(__name__)
 
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -73,9 +76,14 @@ def split_vision_weights(weights: Iterable[tuple[str, torch.Tensor]],
                          tower: nn.Module | None) -> Iterable[tuple[str, torch.Tensor]]:
     """Yield the text tensors; the tower's (``model.visual.``) go to ``vision`` by their names
     below the prefix, or are dropped when there is no tower (``--language-model-only``)."""
+    dropped = 0
     for name, tensor in weights:
         if name.startswith(VISION_PREFIX):
             if tower is not None:
                 vision.append((name[len(VISION_PREFIX):], tensor))
+            else:
+                dropped += 1
             continue
         yield name, tensor
+    if dropped:
+        logger.info("Skipped %d vision-tower tensors (--language-model-only)", dropped)
