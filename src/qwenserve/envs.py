@@ -52,6 +52,11 @@ def api_key() -> str | None:
     return _get("API_KEY", "VLLM_API_KEY")
 
 
+def server_dev_mode() -> bool:
+    """Serve the development routes (``/reset_prefix_cache``), as vLLM's ``VLLM_SERVER_DEV_MODE``."""
+    return _flag("SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
+
+
 def platform_override() -> str | None:
     return _get("PLATFORM")
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from qwenserve import LLM, SamplingParams
-from qwenserve.config import EngineArgs
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.async_engine import AsyncEngine
 from qwenserve.sampling_params import RequestOutputKind
 

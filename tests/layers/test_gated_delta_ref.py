@@ -230,16 +230,30 @@ def test_metadata_layout_matches_the_documented_example() -> None:
 
 
 def test_backend_runs_a_decode_only_step() -> None:
+    """Three one-token rows in slots 2, 0, 1; the last is a fresh request (no initial state):
+    every row's conv output, conv state, delta-rule output and SSM state is checked."""
     backend = TorchRefRecurrentBackend()
-    meta = backend.build_metadata([0, 1, 2, 3], [2, 0, 1], [True, True, False], "cpu")
+    slots, has_init = [2, 0, 1], [True, True, False]
+    meta = backend.build_metadata([0, 1, 2, 3], slots, has_init, "cpu")
     conv_state = torch.randn(3, K - 1, 5)  # [num_slots, K-1, conv_dim]
+    conv_before = conv_state.clone()
     x = torch.randn(3, 5)
-    y = backend.causal_conv1d(x, torch.randn(5, 1, K), torch.randn(5), conv_state, meta)
-    assert y.shape == (3, 5) and torch.equal(conv_state[1], torch.cat([torch.zeros(2, 5), x[2:]]))
+    weight, bias = torch.randn(5, 1, K), torch.randn(5)
+    y = backend.causal_conv1d(x, weight, bias, conv_state, meta)
+    assert y.shape == (3, 5)
+    for row, (slot, init) in enumerate(zip(slots, has_init, strict=True)):
+        hist = conv_before[slot] if init else torch.zeros(K - 1, 5)
+        window = torch.cat([hist, x[row : row + 1]])  # [K, conv_dim], oldest first
+        want = F.silu((window.T * weight[:, 0]).sum(-1) + bias)
+        torch.testing.assert_close(y[row], want)
+        torch.testing.assert_close(conv_state[slot], window[1:])
     q, k, v, g, beta = make_qkvgb(3, seed=6)
     pool = torch.randn(3, HV, DK, DV)
     before = pool.clone()
     out = backend.gated_delta_rule(q, k, v, g, beta, pool, meta)
-    o, s = recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], before[2])
-    torch.testing.assert_close(out[:1], o)
-    torch.testing.assert_close(pool[2], s)
+    for row, (slot, init) in enumerate(zip(slots, has_init, strict=True)):
+        span = slice(row, row + 1)
+        o, s = recurrent_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span],
+                                          before[slot] if init else None)
+        torch.testing.assert_close(out[span], o)
+        torch.testing.assert_close(pool[slot], s)

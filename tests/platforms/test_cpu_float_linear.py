@@ -25,6 +25,18 @@ def test_matches_f_linear(shape, bias):
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_work_on_any_cpu(dtype):
+    """bf16/fp16 models run through the same function (oneDNN has no bf16 inner product on
+    CPUs without AVX512-BF16/AMX, and raised there: `--dtype bfloat16` failed to start)."""
+    linear = CpuPlatform().float_linear() or F.linear
+    x, w, b = (torch.randn(5, 64).to(dtype), torch.randn(48, 64).to(dtype),
+               torch.randn(48).to(dtype))
+    got = linear(x, w, b)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, F.linear(x, w, b))
+
+
 def test_model_layers_use_the_platform_linear(tiny_model):
     linear = CpuPlatform().float_linear()
     llm = LLM(tiny_model("qwen3"), dtype="float32", max_model_len=64)

@@ -19,6 +19,7 @@ class FakeDevice(CpuPlatform):
     ``others`` bytes of other processes are in use; ``peak`` bytes of activations."""
 
     others, peak = GIB, 0
+    resets, reads = 0, 0
 
     @property
     def is_accelerator(self) -> bool:
@@ -27,8 +28,14 @@ class FakeDevice(CpuPlatform):
     def mem_get_info(self, device):
         return TOTAL - self.others - self.weights, TOTAL
 
+    def reset_peak_memory_stats(self, device) -> None:
+        self.resets, self.reads = self.resets + 1, 0
+
     def max_memory_allocated(self, device) -> int:
-        return self.peak
+        """As a CUDA allocator answers: the weights at the reset, then the weights plus the
+        forward pass's activations once the profiling pass ran (the second read)."""
+        self.reads += 1
+        return self.weights + (self.peak if self.reads > 1 else 0)
 
 
 def test_budget_arithmetic():
@@ -37,11 +44,12 @@ def test_budget_arithmetic():
     assert accelerator_kv_budget(32 * GIB, 0.9, 30 * GIB, GIB) < 0
 
 
-@pytest.mark.parametrize("others", [0, GIB])
-def test_engine_budget_subtracts_weights_and_other_processes(tiny_model, monkeypatch, others):
+@pytest.mark.parametrize(("others", "peak"), [(0, 0), (GIB, 0), (GIB, 300 << 20)])
+def test_engine_budget_subtracts_weights_activations_and_other_processes(
+        tiny_model, monkeypatch, others, peak):
     device = FakeDevice()
-    device.others = others
-    monkeypatch.setattr("qwenserve.worker.worker.resolve_platform", lambda name=None: device)
+    device.others, device.peak = others, peak
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
     monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
     path = tiny_model("qwen2")
     from qwenserve.worker import worker as worker_module
@@ -55,14 +63,24 @@ def test_engine_budget_subtracts_weights_and_other_processes(tiny_model, monkeyp
     monkeypatch.setattr(worker_module.Worker, "load_model", load_and_record)
     llm = LLM(path, dtype="float32", max_model_len=128, gpu_memory_utilization=0.5)
     worker = llm.llm_engine.executor.worker
-    expected = TOTAL // 2 - worker.weight_bytes() - others
+    expected = TOTAL // 2 - worker.weight_bytes() - others - peak
     assert llm.llm_engine.plan.budget_bytes == expected
+    assert device.resets == 1  # one profiling pass, measured from a fresh peak
 
 
 def test_no_room_names_the_numbers_and_the_flags(tiny_model, monkeypatch):
     device = FakeDevice()
     device.others = 7 * GIB
-    monkeypatch.setattr("qwenserve.worker.worker.resolve_platform", lambda name=None: device)
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
     monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
     with pytest.raises(MemoryError, match=r"other processes \(7.0 GiB\).*--gpu-memory-utiliz"):
+        LLM(tiny_model("qwen2"), dtype="float32", max_model_len=128, gpu_memory_utilization=0.5)
+
+
+def test_no_room_for_activations_names_them(tiny_model, monkeypatch):
+    device = FakeDevice()
+    device.others, device.peak = 0, 4 * GIB
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
+    monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
+    with pytest.raises(MemoryError, match=r"activations \(4.0 GiB\)"):
         LLM(tiny_model("qwen2"), dtype="float32", max_model_len=128, gpu_memory_utilization=0.5)

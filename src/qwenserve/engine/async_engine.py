@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from qwenserve.config import EngineArgs
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.logger import init_logger

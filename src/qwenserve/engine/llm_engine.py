@@ -8,22 +8,27 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qwenserve.config import EngineArgs, EngineConfig
+from qwenserve import platforms
+from qwenserve.config import EngineConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.scheduler import Scheduler
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.executor import make_executor
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.logger import init_logger
 from qwenserve.multimodal.front import ImageInputs
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
+from qwenserve.models.tokenizer import load_tokenizer
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.service import GrammarService, model_grammar_service
-from qwenserve.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
 
@@ -33,12 +38,14 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, stat_loggers: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: list[Any] | None = None,
+                 platform: Platform | None = None) -> None:
+        """``platform``: the one ``config`` was resolved on (default: by its name)."""
         start = time.perf_counter()
         self.config = config
         mc = config.model
         self.tokenizer = load_tokenizer(mc)
-        self.executor = make_executor(config)
+        self.executor = make_executor(config, platform or platforms.resolve_platform(config.platform_name))
         self.plan = self.executor.plan_cache()
         self.executor.init_cache(self.plan)
         self.cache = CacheManager(self.plan.num_blocks, config.cache.block_size,
@@ -65,7 +72,9 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
-        return cls(args.create_engine_config(), **kwargs)
+        """The engine's entry point: the platform is resolved here, once, and passed down."""
+        platform = platforms.resolve_platform()
+        return cls(args.create_engine_config(platform), platform=platform, **kwargs)
 
     def _log_startup(self) -> None:
         mc, sched = self.config.model, self.config.scheduler
@@ -269,12 +278,9 @@ class LLMEngine:
 
     def _record(self, iteration: IterationStats) -> None:
         if not self.stat_loggers:
-            self.scheduler.stats()  # drain the finished list
             return
         s = self.scheduler.stats()
-        engine_stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
-                                   s.prefix_cache_queries, s.prefix_cache_hits,
-                                   s.num_preemptions, iteration)
+        engine_stats = EngineStats(**vars(s), iteration=iteration)
         for stat_logger in self.stat_loggers:
             stat_logger.record(engine_stats)
 

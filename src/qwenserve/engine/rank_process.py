@@ -76,7 +76,7 @@ def run_rank(args: RankArguments) -> None:
     platform = resolve_platform(args.config.platform_name)
     platform.device(args.local_rank)
     tp = init_parallel_group(platform.dist_backend, args.rank, args.rdzv)
-    worker = Worker(args.config, tp, args.local_rank)
+    worker = Worker(args.config, platform, tp, args.local_rank)
     worker.load_model()
     worker.init_cache(agree_on_plan(worker, tp))
     worker.warm_up()

@@ -8,7 +8,6 @@ Checkpoint names: ``model.language_model.*`` (the decoder, loaded as Qwen3's ``m
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -16,7 +15,8 @@ from qwenserve.models.base import ModelContext, check_all_loaded, load_named_wei
 from qwenserve.models.qwen3 import Qwen3ForCausalLM
 from qwenserve.models.vision.tower import VisionOutput
 from qwenserve.models.vision_language import build_vision, merge_images, split_vision_weights
-from qwenserve.worker.forward_batch import ForwardBatch
+from qwenserve.layers.caches import ModelCaches
+from qwenserve.layers.forward_batch import ForwardBatch
 
 
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
@@ -27,12 +27,12 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         self.model.rotary = self.rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                caches: list[Any]) -> torch.Tensor:
+                caches: ModelCaches) -> torch.Tensor:
         x, positions, after_layer = merge_images(self.model.embed_tokens(input_ids), positions,
                                                  batch)
         residual = None
-        for i, (layer, cache) in enumerate(zip(self.model.layers, caches)):
-            x, residual = layer(positions, x, residual, batch, cache, self.model.rotary)
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(positions, x, residual, batch, caches.kv[i], self.model.rotary)
             if after_layer is not None:
                 x = after_layer(i, x)
         x, _ = self.model.norm(x, residual)

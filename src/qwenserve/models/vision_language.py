@@ -21,7 +21,7 @@ from qwenserve.layers.mrope import MRotaryEmbedding, mrope_layout
 from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
 from qwenserve.models.vision.tower import VISION_PREFIX, Qwen3VisionTower
-from qwenserve.worker.forward_batch import ForwardBatch
+from qwenserve.layers.forward_batch import ForwardBatch
 
 logger = init_logger(__name__)
 

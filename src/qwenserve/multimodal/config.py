@@ -1,15 +1,19 @@
-"""MultiModalConfig: the resolved image flags (``--limit-mm-per-prompt`` and its neighbours)."""
+"""MultiModalConfig: the resolved image flags (``--limit-mm-per-prompt`` and its neighbours),
+and the parsing of the ones given as JSON. Plain data: every floor may read it."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+DEFAULT_IMAGE_LIMIT = 999  # vLLM's default per modality
 
 
 @dataclass(frozen=True)
 class MultiModalConfig:
-    image_limit: int = 999  # images per prompt (vLLM's default); 0 disables images
+    image_limit: int = DEFAULT_IMAGE_LIMIT  # images per prompt; 0 disables images
     processor_kwargs: dict = field(default_factory=dict)  # --mm-processor-kwargs
     processor_cache_bytes: int = 4 << 30  # --mm-processor-cache-gb (0: no cache)
     allowed_local_media_path: str | None = None
@@ -32,24 +36,24 @@ def parse_json_option(name: str, value: str | dict | None) -> dict:
     return dict(value)
 
 
-def resolve_multimodal_config(args: Any) -> MultiModalConfig:
-    """From ``EngineArgs``; every value checked here so a bad flag fails at start-up."""
-    from qwenserve.entrypoints.media_parts import parse_limit_mm_per_prompt
-    from qwenserve.multimodal.processor import resolve_processor_kwargs
-
-    kwargs = parse_json_option("mm_processor_kwargs", args.mm_processor_kwargs)
-    resolve_processor_kwargs(kwargs)
-    cache_gb = float(args.mm_processor_cache_gb)
-    if cache_gb < 0:
-        raise ValueError(f"--mm-processor-cache-gb must be >= 0, got {cache_gb}")
-    domains = args.allowed_media_domains or ()
-    if isinstance(domains, str):
-        domains = (domains,)
-    return MultiModalConfig(
-        image_limit=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
-        processor_kwargs=kwargs,
-        processor_cache_bytes=int(cache_gb * (1 << 30)),
-        allowed_local_media_path=args.allowed_local_media_path,
-        allowed_media_domains=tuple(d.lower() for d in domains),
-        language_model_only=bool(args.language_model_only),
-    )
+def parse_limit_mm_per_prompt(value: str | Mapping[str, Any] | None) -> int:
+    """``--limit-mm-per-prompt`` -> images allowed per prompt (vLLM's JSON forms: ``{"image": 4}``
+    or ``{"image": {"count": 4, "width": ..., "height": ...}}``)."""
+    if value is None:
+        return DEFAULT_IMAGE_LIMIT
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {value!r} ({e})") from e
+    if not isinstance(value, Mapping):
+        raise ValueError('--limit-mm-per-prompt must be a JSON object, e.g. {"image": 4}')
+    counts = {k: v.get("count") if isinstance(v, Mapping) else v for k, v in value.items()}
+    for modality, count in counts.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count >= 0, got "
+                             f"{value[modality]!r}")
+        if modality != "image" and count > 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality} inputs are not supported; "
+                             f"only 'image' may be above 0, got {modality}={count}")
+    return counts.get("image", DEFAULT_IMAGE_LIMIT)

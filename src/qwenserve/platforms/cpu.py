@@ -24,7 +24,11 @@ def _has_int_mm() -> bool:
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias through oneDNN (the kernel torch.compile's CPU backend calls)."""
+    """x @ weight.T + bias through oneDNN (the kernel torch.compile's CPU backend calls) for
+    float32; other dtypes go to F.linear, since oneDNN's inner product has no bf16/fp16 kernel
+    on CPUs without native support and raises instead of falling back."""
+    if weight.dtype != torch.float32:
+        return torch.nn.functional.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

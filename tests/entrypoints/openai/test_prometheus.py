@@ -85,5 +85,13 @@ def test_finished_requests_and_hidden_metrics():
 
 
 def test_two_servers_in_one_process_do_not_clash():
-    for _ in range(2):
-        PrometheusStatLogger(make_registry(), "m", 64)
+    """Each logger registers on its own registry (no duplicate-timeseries error from the global
+    one), and what one records does not show in the other."""
+    registries = [make_registry() for _ in range(2)]
+    loggers = [PrometheusStatLogger(r, "m", 64) for r in registries]
+    loggers[0].record(stats(10, 4, 0, num_generation_tokens=3))
+    loggers[1].record(stats(20, 5, 2, num_generation_tokens=7))
+    assert value(registries[0], "vllm:generation_tokens_total") == 3
+    assert value(registries[1], "vllm:generation_tokens_total") == 7
+    assert value(registries[0], "vllm:num_preemptions_total") == 0
+    assert value(registries[1], "vllm:prefix_cache_hits_total") == 5

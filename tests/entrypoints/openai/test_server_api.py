@@ -58,6 +58,17 @@ def test_completion_batch_with_n(server):
     )
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.usage.completion_tokens == 20
+    # choice 2p + i is prompt p's child i, which samples with seed 7 + i (vLLM's rule): the
+    # same text as that prompt alone with n=1 and that seed, whatever else is in the batch
+    texts = {c.index: c.text for c in out.choices}
+    for p, prompt in enumerate(["The capital of France", "Hello world"]):
+        for i in range(2):
+            alone = server.client().completions.create(
+                model=SERVED, prompt=prompt, max_tokens=5, temperature=1.0, seed=7 + i,
+                extra_body={"ignore_eos": True},
+            )
+            assert texts[2 * p + i] == alone.choices[0].text != ""
+    assert texts[0] != texts[1] and texts[2] != texts[3]
 
 
 def test_stop_string_cuts_the_text(server):
@@ -149,6 +160,13 @@ def test_chat_async_stream_with_n(server):
 
     roles, finishes, texts = asyncio.run(main())
     assert roles == {0, 1} and finishes == {0: "length", 1: "length"}
+    for i in range(2):  # child i samples with seed 1 + i: the text of that request alone
+        alone = server.client().chat.completions.create(
+            model=SERVED, messages=USER, max_tokens=6, temperature=0.8, seed=1 + i,
+            extra_body={"ignore_eos": True},
+        )
+        assert texts[i] == alone.choices[0].message.content != ""
+    assert texts[0] != texts[1]
 
 
 def test_chat_logprobs(server):

@@ -47,7 +47,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def build_engine_args(args: argparse.Namespace) -> Any:
-    from qwenserve.config import EngineArgs
+    from qwenserve.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag or args.model
@@ -198,6 +198,7 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
         cors=cors,
         echo_request_id=args.enable_request_id_headers,
         enable_docs=not args.disable_fastapi_docs,
+        dev_mode=envs.server_dev_mode(),
     )
     for route in app.routes:
         methods = ", ".join(sorted(getattr(route, "methods", None) or []))

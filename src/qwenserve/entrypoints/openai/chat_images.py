@@ -1,11 +1,11 @@
 """Images of a chat request on the server: image parts become the model's placeholders before
-the template renders, then the images are fetched and decoded concurrently off the event loop,
-processed on a worker thread, and the placeholders expanded. Every failure is a 400 that names
-the content part (``messages.0.content.1: the data is not an image ...``)."""
+the template renders, then the images are fetched, decoded and processed, and the placeholders
+expanded (all on the server's CPU pool, with the rest of ``prepare_chat``, never on the event
+loop). Every failure is a 400 that names the content part (``messages.0.content.1: the data is
+not an image ...``)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +15,7 @@ from qwenserve.entrypoints.media_parts import (
     ChatImages,
     ImageSource,
     extract_chat_images,
-    load_images_async,
+    load_images,
 )
 from qwenserve.entrypoints.openai.errors import bad_request
 from qwenserve.multimodal.config import MultiModalConfig
@@ -47,16 +47,16 @@ class ServerImages:
                                    chat.images[0].param)
         return chat
 
-    async def expand(self, sources: list[ImageSource], token_ids: list[int],
-                     processor_kwargs: Mapping[str, Any] | None
-                     ) -> tuple[list[int], MultiModalInputs | None]:
+    def expand(self, sources: list[ImageSource], token_ids: list[int],
+               processor_kwargs: Mapping[str, Any] | None
+               ) -> tuple[list[int], MultiModalInputs | None]:
+        """Load and process the images, expand their placeholders (blocking)."""
         if not sources:
             return token_ids, None
         assert self.front is not None
         try:
-            images = await load_images_async(sources, self.connector)
-            return await asyncio.to_thread(self.front.prepare, token_ids, images,
-                                           processor_kwargs)
+            images = load_images(sources, self.connector)
+            return self.front.prepare(token_ids, images, processor_kwargs)
         except ChatMessageError as e:
             raise bad_request(str(e), e.param) from e
         except ValueError as e:

@@ -162,8 +162,8 @@ def render_prompt(
         raise bad_request(str(e), "messages") from e
 
 
-async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
-                       request_id: str | None) -> ChatJob:
+def prepare_chat(state: ServerState, req: ChatCompletionRequest,
+                 request_id: str | None) -> ChatJob:
     model = state.check_model(req.model)
     parse_tools = _check_tool_choice(state, req)
     if req.top_logprobs is not None and req.top_logprobs < 0:
@@ -187,8 +187,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
         documents=req.documents,
         images=images,
     )
+    state.check_prompt_chars(text, "messages")
     ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-    ids, mm_inputs = await state.images.expand(images, ids, req.mm_processor_kwargs)
+    # On the CPU pool (``state.offload``): fetching, decoding and processing block here.
+    ids, mm_inputs = state.images.expand(images, ids, req.mm_processor_kwargs)
     if mm_inputs is not None and req.truncate_prompt_tokens is not None:
         raise bad_request("truncate_prompt_tokens cannot be used with images (it could cut an "
                           "image's tokens)", "truncate_prompt_tokens")

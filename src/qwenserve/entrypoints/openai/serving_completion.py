@@ -76,6 +76,7 @@ def prepare_completion(
     source = None
     for item in _prompt_list(req.prompt):
         if isinstance(item, str):
+            state.check_prompt_chars(item)
             ids = state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             text = item
         else:
