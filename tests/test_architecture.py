@@ -36,6 +36,7 @@ FLOORS = {
     "logger": 1,
     "multimodal.config": 1,  # the image flags, resolved (plain data)
     "config": 2,  # plain frozen configs: every floor reads them
+    "options": 2,  # vLLM's JSON options, parsed and checked (no torch)
     "metrics.stats": 2,  # plain statistics: core fills them
     "structured_output.params": 2,
     "structured_output.config": 2,
@@ -43,6 +44,7 @@ FLOORS = {
     "quantization.schemes": 3,  # which quantization a checkpoint uses (no torch)
     "sampling_params": 3,
     "request": 4,
+    "pooling": 4,  # what a pooling model returns, resolved from flags and config (no torch)
     "outputs": 4,
     "core": 5,  # scheduler and cache bookkeeping (no torch)
     "platforms": 5,

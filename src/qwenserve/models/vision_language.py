@@ -19,18 +19,66 @@ from torch import nn
 
 from qwenserve.layers.mrope import MRotaryEmbedding, mrope_layout
 from qwenserve.logger import init_logger
-from qwenserve.models.base import ModelContext
-from qwenserve.models.vision.tower import VISION_PREFIX, Qwen3VisionTower
+from qwenserve.models.base import (
+    ModelContext,
+    check_all_loaded,
+    load_named_weights,
+    split_module_weights,
+)
+from qwenserve.models.vision.tower import VISION_PREFIX, Qwen3VisionTower, VisionOutput
+from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
+from qwenserve.layers.moe import SparseMoeBlock
 
 logger = init_logger(__name__)
 
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+class VisionLanguageMixin:
+    """Mixed in before a ``DenseForCausalLM`` architecture (Qwen3.5, Qwen3): its decoder plus
+    the tower, M-RoPE, the image rows and the deep-stack hook; ``model.visual.*`` tensors go to
+    the tower."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx)  # type: ignore[call-arg]
+        self.visual = build_vision(self.model, ctx)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                caches: ModelCaches) -> torch.Tensor:
+        decoder = self.model
+        x, positions, after_layer = merge_images(decoder.embed_tokens(input_ids), positions,
+                                                 batch)
+        residual = None
+        for i, layer in enumerate(decoder.layers):
+            x, residual = layer(positions, x, residual, batch, caches, decoder.rotary)
+            if after_layer is not None:
+                x = after_layer(i, x)
+        x, _ = decoder.norm(x, residual)
+        return x
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+                      ) -> VisionOutput:
+        assert self.visual is not None, "text-only model (--language-model-only)"
+        return self.visual(pixel_values, grids)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        vision: list[tuple[str, torch.Tensor]] = []
+        text = self.checkpoint_weights(split_vision_weights(weights, vision, self.visual))
+        blocks = {f"model.layers.{i}.mlp.": layer.mlp for i, layer in
+                  enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoeBlock)}
+        loaded: set[str] = set()
+        skip = ("rotary_emb.inv_freq", "lm_head.weight") if self.tie else ("rotary_emb.inv_freq",)
+        rest = split_module_weights(text, blocks, loaded)
+        loaded |= load_named_weights(self, rest, stacked=self.stacked_params, skip=skip)
+        if self.visual is not None:
+            loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
+        check_all_loaded(self, loaded, source)
+
+
 def build_vision(model: nn.Module, ctx: ModelContext) -> Qwen3VisionTower | None:
-    """Swap ``model.rotary`` for M-RoPE (same tables) and build the tower, if the config has
-    one."""
+    """Swap the decoder's ``rotary`` for M-RoPE (same tables) and build the tower, if the
+    config has one."""
     cfg = ctx.hf_config
     rotary = model.rotary
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}

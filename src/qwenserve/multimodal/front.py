@@ -40,6 +40,15 @@ class ImageInputs:
                                                   config.processor_kwargs)
         return cls(processor, ImagePromptFormat.from_config(hf_config, tokenizer), config)
 
+    @classmethod
+    def for_engine(cls, config: Any, tokenizer: Any) -> ImageInputs | None:
+        """The image front of an ``EngineConfig``'s model; None for text models,
+        ``--language-model-only`` and ``--limit-mm-per-prompt '{"image": 0}'``."""
+        mc, mm = config.model, config.multimodal
+        if getattr(mc.hf_config, "vision_config", None) is None or mm.image_limit == 0:
+            return None
+        return cls.for_model(mc.source.folder, mc.hf_config, tokenizer, mm)
+
     @property
     def placeholder(self) -> str:
         """The text a chat renders for one image."""

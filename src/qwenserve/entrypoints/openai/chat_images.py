@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from qwenserve.config import EngineConfig
+from qwenserve.engine.request_checks import images_refused_reason
 from qwenserve.entrypoints.chat_utils import ChatMessageError
 from qwenserve.entrypoints.media import MediaConfig, MediaConnector
 from qwenserve.entrypoints.media_parts import (
@@ -27,12 +29,16 @@ class ServerImages:
     """The server's image front: placeholders, limits, where images may come from."""
 
     def __init__(self, engine: Any) -> None:
-        core = getattr(engine, "engine", None)  # the LLMEngine behind the AsyncEngine
-        mm = getattr(core, "config", None)
-        mm = mm.multimodal if mm is not None else MultiModalConfig()
-        self.front: ImageInputs | None = getattr(core, "image_inputs", None)
-        self.refused_reason = (core.images_refused_reason() if core is not None
-                               else "this server does not take image inputs")
+        """From the engine's config and tokenizer: the front runs in the API process, whether
+        the engine core runs in a thread or in its own process."""
+        config = getattr(engine, "config", None)
+        if isinstance(config, EngineConfig):
+            mm = config.multimodal
+            self.front = ImageInputs.for_engine(config, engine.get_tokenizer())
+            self.refused_reason = images_refused_reason(config)
+        else:  # a stand-in engine without a model config (tests)
+            mm, self.front = MultiModalConfig(), None
+            self.refused_reason = "this server does not take image inputs"
         self.limit = mm.image_limit
         self.connector = MediaConnector(MediaConfig(mm.allowed_local_media_path,
                                                     mm.allowed_media_domains))
