@@ -158,8 +158,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     await check_grammar(state, [job.params], job.constraint_source)
     state.admission.check(body.n)
+    images = {"mm_inputs": job.mm_inputs} if job.mm_inputs is not None else {}
     agen = state.admission.admit(
-        state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text),
+        state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text,
+                              **images),
         body.n,
     )
     if not body.stream:

@@ -58,7 +58,7 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
 # implemented yet") rather than with argparse's bare "unrecognized arguments".
 VLLM_ONLY_FLAGS = frozenset(
     """
-    --all2all-backend --allowed-local-media-path --allowed-media-domains --calculate-kv-scales
+    --all2all-backend --calculate-kv-scales
     --code-revision --collect-detailed-traces --config-format --cpu-offload-params
     --cuda-graph-sizes --data-parallel-backend
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
@@ -68,12 +68,12 @@ VLLM_ONLY_FLAGS = frozenset(
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
     --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none --fully-sharded-loras
     --h11-max-header-count --h11-max-incomplete-event-size --hf-config-path --hf-token
-    --ignore-patterns --kv-events-config --limit-mm-per-prompt --log-config-file
+    --ignore-patterns --kv-events-config --log-config-file
     --log-error-stack --logits-processors --logprobs-mode --long-prefill-token-threshold
     --max-cpu-loras --max-long-partial-prefills --max-lora-rank
     --max-loras --max-num-partial-prefills --max-parallel-loading-workers
-    --max-seq-len-to-capture --middleware --mm-encoder-tp-mode --mm-processor-cache-gb
-    --mm-processor-kwargs --model-impl --model-loader-extra-config --num-lookahead-slots
+    --max-seq-len-to-capture --middleware --mm-encoder-tp-mode
+    --model-impl --model-loader-extra-config --num-lookahead-slots
     --num-scheduler-steps --otlp-traces-endpoint --override-pooler-config --pooler-config
     --preemption-mode --prefix-caching-hash-algo --pt-load-map-location
     --ray-workers-use-nsight --rope-scaling --rope-theta --scheduler-cls
