@@ -36,7 +36,7 @@ from qwenserve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from qwenserve.entrypoints.openai.request_fields import unknown_fields
-from qwenserve.entrypoints.openai.serving_engine import ServerState, engine_error, logger
+from qwenserve.entrypoints.openai.serving_common import ServerState, engine_error, logger
 from qwenserve.entrypoints.openai.streaming import (
     DisconnectAwareStreamingResponse,
     cancel_on_disconnect,
