@@ -35,6 +35,7 @@ FLOORS = {
     "envs": 0,
     "logger": 1,
     "config": 2,  # plain frozen configs: every floor reads them
+    "options": 2,  # vLLM's JSON options, parsed and checked (no torch)
     "metrics.stats": 2,  # plain statistics: core fills them
     "structured_output.params": 2,
     "structured_output.config": 2,
@@ -42,6 +43,7 @@ FLOORS = {
     "quantization.schemes": 3,  # which quantization a checkpoint uses (no torch)
     "sampling_params": 3,
     "request": 4,
+    "pooling": 4,  # what a pooling model returns, resolved from flags and config (no torch)
     "outputs": 4,
     "core": 5,  # scheduler and cache bookkeeping (no torch)
     "platforms": 5,

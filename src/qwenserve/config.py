@@ -64,6 +64,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None = None
+    mamba_ssm_cache_dtype: str = "auto"  # Gated DeltaNet state; auto: float32
+
+    @property
+    def ssm_state_dtype(self) -> str:
+        return "float32" if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype
 
     def cpu_budget_bytes(self) -> int:
         """CPU KV budget: the flag, else QWENSERVE_CPU_KVCACHE_SPACE GiB, else 4 GiB (vLLM's)."""
@@ -83,6 +88,17 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts whole per rank, not sliced
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """What a pooling model returns for a prompt (``--runner pooling``; rules in
+    ``qwenserve/pooling.py``)."""
+
+    kind: str  # "embed" | "classify"
+    # classify: the LM-head rows whose logits make the score: (negative, positive)
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,3 +112,5 @@ class EngineConfig:
     platform_name: str
     seed: int = 0
     max_logprobs: int = 20
+    load_format: str = "auto"  # auto | safetensors | dummy | sharded_state
+    pooler: PoolerConfig | None = None  # --runner pooling: what a request returns

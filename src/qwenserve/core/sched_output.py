@@ -71,15 +71,17 @@ class SampledToken:
 @dataclass
 class RequestUpdate:
     """What one step did to one request, for the engine's output processing: its new token,
-    and how it finished (``finish_reason`` "stop" | "length" | "abort", None while running)."""
+    and how it finished (``finish_reason`` "stop" | "length" | "abort", None while running).
+    A pooling request finishes with its ``pooled`` output and no token."""
 
     request_id: str
-    new_token: SampledToken
+    new_token: SampledToken | None
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int  # prompt tokens found in the prefix cache (-1: not admitted yet)
     first_scheduled_time: float | None  # wall clock
     prompt_logprobs: list[SampledToken] | None = None  # with its first token, when asked for
+    pooled: list[float] | None = None  # --runner pooling: the prompt's pooled output
 
     @property
     def finished(self) -> bool:
@@ -94,3 +96,5 @@ class ModelOutput:
     # prompt_logprobs requests: request id -> (first position, one entry per position from it).
     # The entry at position p scores prompt token p + 1 (its ``token_id``) given tokens 0..p.
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
+    # pooling runner (--runner pooling): request id -> its pooled output, instead of a sample
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -180,6 +180,11 @@ class Scheduler:
                 _collect_prompt_logprobs(req, *model_out.prompt_logprobs[req.request_id])
             if not chunk.sample:
                 continue
+            if req.request_id in model_out.pooled:  # prefill-only: the prompt was the work
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                updates.append(_update(req, None, model_out.pooled[req.request_id]))
+                continue
             token = model_out.sampled[req.request_id]
             req.output_token_ids.append(token.token_id)
             status = self._stop_status(req, token.token_id)
@@ -217,7 +222,8 @@ class Scheduler:
         )
 
 
-def _update(req: Request, token: SampledToken) -> RequestUpdate:
+def _update(req: Request, token: SampledToken | None,
+            pooled: list[float] | None = None) -> RequestUpdate:
     """The step's news about ``req`` as plain data (the live request stays in core)."""
     finish = req.finish_reason
     first = req.num_output_tokens == 1
@@ -230,6 +236,7 @@ def _update(req: Request, token: SampledToken) -> RequestUpdate:
         first_scheduled_time=req.first_scheduled_time,
         prompt_logprobs=list(req.prompt_logprobs)
         if first and req.sampling_params.prompt_logprobs is not None else None,
+        pooled=pooled,
     )
 
 

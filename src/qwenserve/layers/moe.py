@@ -4,7 +4,7 @@ Experts are stacked parameters, ``w13`` [E, 2*I, H] (gate rows, then up rows) an
 so a faster backend (grouped GEMM, torch_npu's grouped matmul) can take them as they are. The
 reference groups token-expert pairs by expert and runs one SwiGLU per active expert.
 
-Sharding (for tensor / expert parallelism later): a ``MoEShard`` says which experts and which
+Sharding (tensor or expert parallelism): a ``MoEShard`` says which experts and which
 slice of the intermediate dimension this rank holds. The loaders slice full checkpoint tensors
 into it, and ``forward`` returns this rank's partial sum (routes to experts held elsewhere are
 skipped); the caller all-reduces. With the default shard the layer is complete.
@@ -91,6 +91,20 @@ class MoEShard:
     def expert_range(self, num_experts: int) -> range:
         count = self.num_local_experts or num_experts - self.expert_start
         return range(self.expert_start, self.expert_start + count)
+
+    @classmethod
+    def expert_parallel(cls, num_experts: int, rank: int, world_size: int) -> MoEShard:
+        """Whole experts split over ``world_size`` ranks, contiguous, the first
+        ``num_experts % world_size`` ranks holding one more (as vLLM places them)::
+
+            10 experts, 4 ranks:  rank 0: 0-2 | rank 1: 3-5 | rank 2: 6-7 | rank 3: 8-9
+        """
+        if num_experts < world_size:
+            raise ValueError(f"--enable-expert-parallel needs at least one expert per rank: "
+                             f"{num_experts} experts < {world_size} ranks; drop the flag")
+        base, extra = divmod(num_experts, world_size)
+        start = rank * base + min(rank, extra)
+        return cls(expert_start=start, num_local_experts=base + (rank < extra))
 
     def intermediate_slice(self, intermediate_size: int) -> slice:
         if intermediate_size % self.tp_size:
@@ -182,9 +196,11 @@ class SparseMoeBlock(nn.Module):
     ``shared_intermediate_size`` > 0, a SwiGLU ``shared_expert`` scaled by
     ``sigmoid(shared_expert_gate(x))`` (Qwen3.5-MoE, Qwen2-MoE; Qwen3-MoE has none).
 
-    The shared expert is sliced on the intermediate dimension like the routed experts, so the
-    output stays a partial sum under tensor parallelism; with expert parallelism the caller
-    must add it on one rank only. ``load_weight`` takes names relative to the block (``mlp.``).
+    The shared expert is sliced on the intermediate dimension (``shared_shard``, by default the
+    routed experts' tensor-parallel slice), so the output stays a partial sum under tensor
+    parallelism; with expert parallelism the routed experts are whole per rank and the shared
+    one stays sliced, and the sum of both partial sums is still the caller's one all-reduce.
+    ``load_weight`` takes names relative to the block (``mlp.``).
     """
 
     def __init__(
@@ -197,6 +213,7 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate_size: int = 0,
         dtype: torch.dtype | None = None,
         shard: MoEShard | None = None,
+        shared_shard: MoEShard | None = None,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)  # router
@@ -206,7 +223,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: FusedMoE | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate_size:
-            tp = MoEShard(tp_rank=self.experts.shard.tp_rank, tp_size=self.experts.shard.tp_size)
+            tp = shared_shard or MoEShard(tp_rank=self.experts.shard.tp_rank,
+                                          tp_size=self.experts.shard.tp_size)
             # a one-expert FusedMoE holds the shared SwiGLU with the same slicing rules
             self.shared_expert = FusedMoE(
                 1, 1, hidden_size, shared_intermediate_size, False, dtype, tp

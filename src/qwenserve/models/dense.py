@@ -153,7 +153,8 @@ class DenseForCausalLM(nn.Module):
                                       float_linear=ctx.backends.float_linear)
 
     @classmethod
-    def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int) -> list[CacheSpec]:
+    def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int,
+                    ssm_dtype_bytes: int = 4) -> list[CacheSpec]:
         return [PagedKVSpec(
             layer_ids=tuple(range(hf_config.num_hidden_layers)),
             num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),

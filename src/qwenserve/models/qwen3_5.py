@@ -209,17 +209,19 @@ class Qwen3_5ForCausalLM(nn.Module):
                                       tie_to=self.model.embed_tokens if self.tie else None,
                                       float_linear=ctx.backends.float_linear)
         self.dtype = ctx.dtype
+        self.ssm_dtype = ctx.ssm_dtype  # the recurrent state's; kernels compute in fp32
         self.config = cfg
 
     @classmethod
-    def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int) -> list[CacheSpec]:
+    def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int,
+                    ssm_dtype_bytes: int = 4) -> list[CacheSpec]:
         cfg, types = hf_config, layer_types(hf_config)
         full = tuple(i for i, t in enumerate(types) if t == "full_attention")
         linear = tuple(i for i, t in enumerate(types) if t != "full_attention")
         conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
                     + cfg.linear_num_value_heads * cfg.linear_value_head_dim) // tp_size
         ssm = (cfg.linear_num_value_heads // tp_size) * cfg.linear_key_head_dim \
-            * cfg.linear_value_head_dim * 4  # float32 state
+            * cfg.linear_value_head_dim * ssm_dtype_bytes  # --mamba-ssm-cache-dtype
         return [
             PagedKVSpec(full, kv_heads_per_rank(cfg.num_key_value_heads, tp_size), cfg.head_dim,
                         kv_dtype_bytes),
@@ -238,8 +240,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             kernel = gdn.conv1d.weight.shape[1]
             conv = torch.zeros(num_state_slots, kernel - 1, gdn.conv_dim, dtype=self.dtype,
                                device=device)
-            ssm = torch.zeros(num_state_slots, gdn.num_v_heads, gdn.dk, gdn.dv, dtype=torch.float32,
-                              device=device)
+            ssm = torch.zeros(num_state_slots, gdn.num_v_heads, gdn.dk, gdn.dv,
+                              dtype=self.ssm_dtype, device=device)
             states.append(RecurrentState(conv, ssm))
         return states
 

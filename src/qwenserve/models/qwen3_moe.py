@@ -24,6 +24,23 @@ from qwenserve.models.dense import MLP, DecoderLayer, DenseSwitches
 from qwenserve.models.qwen3 import Qwen3ForCausalLM
 
 
+def moe_shards(ctx: ModelContext, num_experts: int) -> dict[str, MoEShard]:
+    """This rank's share of the routed and the shared experts.
+
+    Tensor parallelism slices every expert's intermediate dimension; expert parallelism
+    (``--enable-expert-parallel``) gives each rank whole experts instead, as vLLM does over the
+    TP ranks, while the shared expert stays sliced. Either way each rank's output is a partial
+    sum of the block's output, so one all-reduce (the one TP already does) completes it: tokens
+    are replicated on every rank, so the all-gather/reduce-scatter dispatch of vLLM's
+    all-to-all backends reduces to this when there is no data parallelism.
+    """
+    tp = MoEShard(tp_rank=ctx.tp.rank, tp_size=ctx.tp.world_size)
+    if not ctx.expert_parallel:
+        return {"shard": tp}
+    return {"shard": MoEShard.expert_parallel(num_experts, ctx.tp.rank, ctx.tp.world_size),
+            "shared_shard": tp}
+
+
 class MoEBlock(SparseMoeBlock):
     """A SparseMoeBlock whose tensor-parallel partial sums are all-reduced."""
 
@@ -36,7 +53,7 @@ class MoEBlock(SparseMoeBlock):
             renormalize=bool(getattr(cfg, "norm_topk_prob", True)) if renormalize is None
             else renormalize,
             shared_intermediate_size=shared_intermediate_size, dtype=ctx.dtype,
-            shard=MoEShard(tp_rank=ctx.tp.rank, tp_size=ctx.tp.world_size))
+            **moe_shards(ctx, cfg.num_experts))
         for p in self.parameters():
             p.requires_grad_(False)
         self.tp = ctx.tp

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from qwenserve.config import PoolerConfig
 from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOutput
 from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.layers.backends import Backends
@@ -18,6 +19,7 @@ from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars
+from qwenserve.worker.pooler import pool
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
@@ -48,7 +50,8 @@ class PromptScoring:
 class ModelRunner:
     def __init__(self, model: Any, caches: ModelCaches, backends: Backends, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
-                 has_state: bool = False, grammars: RequestGrammars | None = None) -> None:
+                 has_state: bool = False, grammars: RequestGrammars | None = None,
+                 pooler: PoolerConfig | None = None) -> None:
         self.model = model
         self.caches = caches
         self.attn_backend = backends.attention
@@ -60,6 +63,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # Structured outputs and thinking budgets: the driver's matchers (None on other ranks).
         self.grammars = grammars
+        self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -98,6 +102,8 @@ class ModelRunner:
         self._copy_states(sched.state_restores)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
         self._copy_states(sched.state_saves)
+        if self.pooler is not None:
+            return self._pooled(chunks, hidden[batch.logits_indices])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
@@ -115,6 +121,14 @@ class ModelRunner:
                 self.grammars.accept(chunk.request_id, token.token_id)
             output.sampled[chunk.request_id] = token
         return output
+
+    def _pooled(self, chunks: list[ScheduledChunk], last_hidden: torch.Tensor) -> ModelOutput:
+        """Prefill-only: each prompt's pooled output when its last chunk ran (no sampling)."""
+        pooled = pool(self.model, self.pooler, last_hidden)  # [num_finished_prompts, D]
+        if not self.is_driver:
+            return ModelOutput()
+        finished = [c.request_id for c in chunks if c.sample]
+        return ModelOutput(pooled=dict(zip(finished, pooled.cpu().tolist(), strict=True)))
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy recurrent-state slots (conv and SSM state of every DeltaNet layer) src -> dst;

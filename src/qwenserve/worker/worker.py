@@ -27,13 +27,16 @@ from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.layers.backends import Backends
 from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
+from qwenserve.models.dummy_weights import fill_dummy_weights
 from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
+from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.caches import allocate_caches
 from qwenserve.worker.model_runner import ModelRunner
+from qwenserve.worker.pooler import embedding_checkpoint_names
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -55,8 +58,9 @@ class Worker:
         self.dtype = _DTYPES[config.model.dtype]
         self.model_cls = load_model_class(config.model.architecture)
         self.backends = Backends.for_platform(platform)  # the kernels, chosen once
+        self.ssm_dtype = _DTYPES[config.cache.ssm_state_dtype]
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
-                                                self.dtype.itemsize)
+                                                self.dtype.itemsize, self.ssm_dtype.itemsize)
         self.model: Any = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -68,12 +72,22 @@ class Worker:
         mc = self.config.model
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
                            max_model_len=mc.max_model_len, tp=self.tp,
-                           backends=self.backends, quant=self._quant())
+                           backends=self.backends, quant=self._quant(),
+                           ssm_dtype=self.ssm_dtype,
+                           expert_parallel=self.config.parallel.enable_expert_parallel)
         try:
             with torch.device(self.device):
                 model = self.model_cls(ctx)
-            model.load_weights(iter_weights(mc.source, mc.hf_config),
-                               mc.source.gguf_file or mc.source.folder)
+            weights = iter_weights(mc.source, mc.hf_config)
+            if self.config.pooler is not None and self.config.pooler.kind == "embed":
+                model.lm_head = None  # an embedding model has no use (and often no weights)
+                weights = embedding_checkpoint_names(weights)
+            if self.config.load_format == "dummy":
+                fill_dummy_weights(model, self.config.seed)
+            elif self.config.load_format == "sharded_state":
+                load_sharded_state(model, mc.source.folder, self.tp.rank, self.tp.world_size)
+            else:
+                model.load_weights(weights, mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
                 ctx.quant.process_weights_after_loading(model)
         except torch.OutOfMemoryError as e:
@@ -153,10 +167,10 @@ class Worker:
         caches = allocate_caches(self.specs, self.model, plan.num_blocks, plan.block_size,
                                  plan.num_state_slots, self.dtype, self.device, zeroed=False)
         grammars = RequestGrammars(partial(model_grammar_service, self.config.model)) \
-            if self.tp.is_driver else None
+            if self.tp.is_driver and self.config.pooler is None else None
         self.runner = ModelRunner(self.model, caches, self.backends, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed,
-                                  self.has_state, grammars)
+                                  self.has_state, grammars, self.config.pooler)
 
     @property
     def has_state(self) -> bool:

@@ -19,6 +19,7 @@ from qwenserve.entrypoints.openai import (
     serving_chat_stream,
     serving_completion,
     serving_models,
+    serving_pooling,
 )
 from qwenserve.entrypoints.openai.errors import OpenAIError, error_body
 from qwenserve.entrypoints.openai.middleware import (
@@ -249,6 +250,7 @@ def build_app(
     app.state.server = state
     app.state.registry = registry
     app.include_router(router)
+    app.include_router(serving_pooling.router)  # /v1/embeddings, /score, /rerank
     if dev_mode:
         app.include_router(dev_router)
     _install_error_handlers(app)

@@ -16,6 +16,11 @@ import types
 from typing import Any
 
 from qwenserve.engine.arg_utils import EngineArgs, human_readable_int
+from qwenserve.entrypoints.openai.cli_data_parallel import (
+    add_data_parallel_flags,
+    data_parallel_problem,
+)
+from qwenserve.entrypoints.openai.cli_spellings import canonical_flag_spellings
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
 from qwenserve.structured_output.config import (
@@ -29,20 +34,14 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--uds",), {}, (None,)),
     (("--kv-cache-dtype",), {}, (None, "auto")),
     (("--pipeline-parallel-size", "-pp"), {"type": int}, (None, 1)),
-    (("--data-parallel-size", "-dp"), {"type": int}, (None, 1)),
     (("--distributed-executor-backend",), {}, (None, "mp", "uni")),
     (("--enable-chunked-prefill",), {"action": BOOL}, (None, True)),
-    (("--async-scheduling",), {"action": BOOL}, (None, False)),
     (("--scheduling-policy",), {}, (None, "fcfs")),
-    (("--load-format",), {}, (None, "auto")),
     (("--tokenizer-mode",), {}, (None, "auto", "hf")),
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
     (("--speculative-config",), {}, (None,)),
-    (("--compilation-config", "-cc"), {}, (None,)),
-    (("--additional-config",), {}, (None,)),
-    (("--hf-overrides",), {}, (None,)),
     (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
@@ -51,6 +50,7 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
     (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
     (("--headless",), {"action": BOOL}, (None, False)),
+    (("--safetensors-load-strategy",), {}, (None, "lazy")),  # qwenserve maps shards lazily
 )
 
 
@@ -59,26 +59,25 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
 VLLM_ONLY_FLAGS = frozenset(
     """
     --all2all-backend --allowed-local-media-path --allowed-media-domains --calculate-kv-scales
-    --code-revision --collect-detailed-traces --config-format --convert --cpu-offload-params
-    --cuda-graph-sizes --data-parallel-address --data-parallel-backend --data-parallel-rank
-    --data-parallel-rpc-port --data-parallel-size-local --data-parallel-start-rank
+    --code-revision --collect-detailed-traces --config-format --cpu-offload-params
+    --cuda-graph-sizes --data-parallel-backend
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
     --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
-    --disable-sliding-window --enable-dbo --enable-eplb --enable-expert-parallel
+    --disable-sliding-window --enable-dbo --enable-eplb
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
     --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none --fully-sharded-loras
     --h11-max-header-count --h11-max-incomplete-event-size --hf-config-path --hf-token
     --ignore-patterns --kv-events-config --limit-mm-per-prompt --log-config-file
     --log-error-stack --logits-processors --logprobs-mode --long-prefill-token-threshold
-    --mamba-ssm-cache-dtype --max-cpu-loras --max-long-partial-prefills --max-lora-rank
+    --max-cpu-loras --max-long-partial-prefills --max-lora-rank
     --max-loras --max-num-partial-prefills --max-parallel-loading-workers
     --max-seq-len-to-capture --middleware --mm-encoder-tp-mode --mm-processor-cache-gb
     --mm-processor-kwargs --model-impl --model-loader-extra-config --num-lookahead-slots
     --num-scheduler-steps --otlp-traces-endpoint --override-pooler-config --pooler-config
     --preemption-mode --prefix-caching-hash-algo --pt-load-map-location
-    --ray-workers-use-nsight --rope-scaling --rope-theta --runner --scheduler-cls
-    --skip-tokenizer-init --ssl-ca-certs --ssl-cert-reqs --stream-interval --task
+    --ray-workers-use-nsight --rope-scaling --rope-theta --scheduler-cls
+    --skip-tokenizer-init --ssl-ca-certs --ssl-cert-reqs --stream-interval
     --tokenizer-revision --tokens-only --tool-server --use-tqdm-on-load --worker-cls
     --worker-extension-cls
     """.split()
@@ -285,6 +284,9 @@ def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
     )
     for names, kwargs, _ in UNIMPLEMENTED:
         g.add_argument(*names, default=None, help=argparse.SUPPRESS, **kwargs)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help=argparse.SUPPRESS)
+    add_data_parallel_flags(g)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -325,8 +327,9 @@ def run(args: argparse.Namespace) -> int:
 def _parse_known_args(
     self: argparse.ArgumentParser, args: Any = None, namespace: Any = None
 ) -> tuple[argparse.Namespace, list[str]]:
-    argv = fold_dotted_flags(list(sys.argv[1:] if args is None else args),
-                             "--structured-outputs-config")
+    argv = canonical_flag_spellings(list(sys.argv[1:] if args is None else args))
+    argv = fold_dotted_flags(argv, "--structured-outputs-config")
+    argv = fold_dotted_flags(argv, "--compilation-config")
     _maybe_filtered_help(self, argv)
     config_argv, config_model = read_config(self, argv)
     if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
@@ -442,6 +445,8 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         if value not in accepted:
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             return f"{names[0]} {shown} is not implemented yet in qwenserve; remove it"
+    if problem := data_parallel_problem(ns):
+        return problem
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         return f"the model is given twice ({ns.model_tag} and --model {ns.model}); give it once"
     if ns.tool_call_parser and ns.tool_call_parser not in TOOL_PARSERS:
