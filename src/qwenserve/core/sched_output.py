@@ -44,10 +44,11 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # batch order
     finished_request_ids: list[str] = field(default_factory=list)  # drop their worker state
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Recurrent-state copies (source slot, destination slot) of hybrid models' prefix cache:
-    # checkpoint -> request before the forward pass, request -> checkpoint after it.
-    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    # Recurrent-state copies (source slot, destination slot) of hybrid models' prefix cache,
+    # made before the forward pass: saves first (a live slot, still holding the state after the
+    # previous step's chunk, -> a checkpoint), then restores (checkpoint -> a request's slot).
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

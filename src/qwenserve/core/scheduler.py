@@ -14,7 +14,7 @@ import time
 from collections import deque
 
 from qwenserve.config import SchedulerConfig
-from qwenserve.core.cache.manager import CacheManager
+from qwenserve.core.cache.manager import NO_HIT, Allocation, CacheManager
 from qwenserve.core.sched_output import (
     ModelOutput,
     NewRequestData,
@@ -69,7 +69,6 @@ class Scheduler:
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
-        self._save_states(out)
         now = time.time()
         for chunk in out.chunks:
             req = self.requests[chunk.request_id]
@@ -81,18 +80,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk_len(req, req.num_computed_tokens,
-                                      min(req.num_tokens - req.num_computed_tokens, budget))
-            new_blocks = self.cache.allocate(req, num_new)
-            while new_blocks is None:
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            alloc = self.cache.allocate(req, num_new)
+            while alloc is None:
                 victim = self.running.pop()  # the most recently admitted, never one scheduled
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is req:
                     return budget
-                new_blocks = self.cache.allocate(req, num_new)
-            out.chunks.append(self._chunk(req, num_new, new_blocks))
-            budget -= num_new
+                alloc = self.cache.allocate(req, num_new)
+            self._add_chunk(out, req, alloc)
+            budget -= alloc.num_tokens
             i += 1
         return budget
 
@@ -101,20 +99,15 @@ class Scheduler:
             req = self.waiting[0]
             # Prompt logprobs need every prompt position computed: no prefix-cache hit (vLLM's
             # rule too). The blocks it computes are still cached for others.
-            hit_blocks = ([] if req.sampling_params.prompt_logprobs is not None
-                          else self.cache.lookup_prefix(req))
-            num_hit = len(hit_blocks) * self.cache.block_size
-            checkpoint = self.cache.checkpoint_slot(req, len(hit_blocks))
-            num_new = self._chunk_len(req, num_hit, min(req.num_tokens - num_hit, budget))
-            if self.cache.allocate(req, num_new, hit_blocks, keep_slot=checkpoint) is None:
+            hit = (NO_HIT if req.sampling_params.prompt_logprobs is not None
+                   else self.cache.lookup_prefix(req))
+            alloc = self.cache.allocate(req, min(req.num_tokens - hit.num_tokens, budget), hit)
+            if alloc is None:
                 break  # FCFS: later requests wait behind this one
-            if checkpoint is not None:
-                out.state_restores.append(self.cache.restore_state(req, checkpoint))
             self.waiting.popleft()
-            self.cache.record_prefix_query(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit
+                req.num_cached_tokens = hit.num_tokens
+            req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.new_requests.append(NewRequestData(
@@ -122,32 +115,20 @@ class Scheduler:
                 prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=list(req.output_token_ids),
                 sampling_params=req.sampling_params,
-                block_ids=list(self.cache.block_ids(req.request_id)),
-                state_slot=self.cache.state_slot(req.request_id),
+                block_ids=list(alloc.new_block_ids),
+                state_slot=alloc.state_slot,
             ))
-            out.chunks.append(self._chunk(req, num_new, []))
-            budget -= num_new
+            self._add_chunk(out, req, alloc, new_request=True)
+            budget -= alloc.num_tokens
 
-    def _chunk_len(self, req: Request, start: int, num_new: int) -> int:
-        """Hybrid models with prefix caching stop a prefill once at the request's checkpoint
-        position, so that its recurrent state can be saved there (``_save_states``)."""
-        position = self.cache.checkpoint_position(req) if num_new > 1 else None
-        if position is not None and start < position < start + num_new:
-            return position - start
-        return num_new
-
-    def _save_states(self, out: SchedulerOutput) -> None:
-        """State checkpoints at the block boundaries where this step's prefill chunks end
-        (after every allocation of the step: no request of it may be handed a checkpoint's
-        slot). The workers copy them after the forward pass."""
-        taken: set[int] = set()
-        for chunk in out.chunks:
-            if len(chunk.token_ids) > 1:
-                end = chunk.start_pos + len(chunk.token_ids)
-                copy = self.cache.save_state(self.requests[chunk.request_id], end, taken)
-                if copy is not None:
-                    out.state_saves.append(copy)
-                    taken.add(copy[1])
+    def _add_chunk(self, out: SchedulerOutput, req: Request, alloc: Allocation,
+                   new_request: bool = False) -> None:
+        """The request's chunk, and the state copies its allocation asks the workers for."""
+        out.state_saves += alloc.state_saves
+        out.state_restores += alloc.state_restores
+        # A new request's blocks travel in its NewRequestData; a running one's as an increment.
+        out.chunks.append(self._chunk(req, alloc.num_tokens,
+                                      [] if new_request else alloc.new_block_ids))
 
     def _chunk(self, req: Request, num_new: int, new_blocks: list[int]) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -95,7 +95,8 @@ class EngineArgs:
     enforce_eager: bool = _opt("Accepted for compatibility: qwenserve always runs eagerly.",
                                default=False)
     max_logprobs: int = _opt("Largest logprobs a request may ask for.", default=20, type=int)
-    block_size: int | None = _opt("Tokens per KV block (default 16).", group="CacheConfig",
+    block_size: int | None = _opt("Tokens per KV block (default: the platform's, 16; 128 on "
+                                  "Ascend NPUs).", group="CacheConfig",
                                   type=int, choices=(1, 8, 16, 32, 64, 128, 256))
     enable_prefix_caching: bool = _opt("Reuse the KV of shared prompt prefixes.",
                                        default=True, group="CacheConfig")
@@ -204,11 +205,11 @@ class EngineArgs:
             from qwenserve.platforms import resolve_platform
 
             platform = resolve_platform()
-        model_config = self.create_model_config(platform)
         block_size = self.block_size or platform.default_block_size
         if block_size not in platform.supported_block_sizes:
             raise ValueError(f"--block-size {block_size} is not supported on {platform.name}; "
                              f"use one of {', '.join(map(str, platform.supported_block_sizes))}")
+        model_config = self.create_model_config(platform)
         max_batched = self.max_num_batched_tokens or 2048
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")

@@ -99,9 +99,9 @@ class ModelRunner:
         # Single-token chunks (decodes) first: the attention backend batches them together.
         chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
         batch = self._prepare(chunks)
+        self._copy_states(sched.state_saves)  # before the restores: they may read a new save
         self._copy_states(sched.state_restores)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
-        self._copy_states(sched.state_saves)
         if self.pooler is not None:
             return self._pooled(chunks, hidden[batch.logits_indices])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -132,7 +132,7 @@ class ModelRunner:
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy recurrent-state slots (conv and SSM state of every DeltaNet layer) src -> dst;
-        the scheduler never lets a slot be both in one list."""
+        all sources are read before any destination is written."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)

@@ -185,10 +185,10 @@ class Worker:
         tokens = [0] * min(16, self.config.scheduler.max_model_len - 1,
                            self.plan.token_capacity - 1)
         block_ids = list(range(-(-(len(tokens) + 1) // bs)))
-        slot = 1 if self.plan.num_state_slots else None
+        state_slot = 1 if self.plan.num_state_slots else None
         params = SamplingParams(temperature=0.0, max_tokens=2)
         self.runner.execute(SchedulerOutput(
-            new_requests=[NewRequestData("warmup", tokens, [], params, block_ids, slot)],
+            new_requests=[NewRequestData("warmup", tokens, [], params, block_ids, state_slot)],
             chunks=[ScheduledChunk("warmup", tokens, 0, [], True)]))
         self.runner.execute(SchedulerOutput(
             chunks=[ScheduledChunk("warmup", [0], len(tokens), [], True)]))
