@@ -23,8 +23,8 @@ from typing import Any
 
 from qwenserve import envs
 from qwenserve.config import EngineConfig
-from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.core.cache.plan import CachePlan
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_client import CoreClient, EngineDeadError, ProcCoreClient
 from qwenserve.engine.core_messages import (
     AbortRequests,

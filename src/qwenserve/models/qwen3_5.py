@@ -19,7 +19,7 @@ Qwen3.5's four matrices while loading (``split_qwen3_next_projections``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from qwenserve.models.base import STACKED_PARAMS, ModelContext, kv_heads_per_ran
 from qwenserve.models.dense import MLP, DecoderModel, DenseForCausalLM
 from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
 from qwenserve.models.vision_language import VisionLanguageMixin
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = init_logger(__name__)
 
