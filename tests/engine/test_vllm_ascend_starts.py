@@ -31,7 +31,7 @@ def command(file: str, line: int) -> list[str]:
     entry = next(c for c in CORPUS["commands"] if c["file"] == DOC + file and c["line"] == line)
     argv = shlex.split(entry["command"])[3:]  # after "vllm serve MODEL"
     out, skip = [], False
-    for i, arg in enumerate(argv):
+    for arg in argv:
         if skip:
             skip = False
         elif arg in ("--host", "--port", "--quantization"):
