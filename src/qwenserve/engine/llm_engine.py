@@ -17,22 +17,21 @@ from qwenserve.core.scheduler import Scheduler
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.executor import make_executor
 from qwenserve.engine.output_processor import OutputProcessor
+from qwenserve.engine.request_checks import PromptTooLongError, RequestChecks
 from qwenserve.logger import init_logger
 from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
 from qwenserve.models.tokenizer import load_tokenizer
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
-from qwenserve.structured_output.service import GrammarService, model_grammar_service
+from qwenserve.structured_output.service import GrammarService
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
 
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit ``max_model_len`` (vLLM's wording, so clients can match it)."""
+__all__ = ["LLMEngine", "PromptTooLongError"]  # the error's old home, kept for importers
 
 
 class LLMEngine:
@@ -50,12 +49,12 @@ class LLMEngine:
                                   config.cache.enable_prefix_caching, self.plan.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.checks = RequestChecks(config, self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._pending_aborts: list[FinishedRequestStats] = []
         # Structured-output requests whose grammar is still compiling: (future, parent id,
         # children). They reach the scheduler once it is ready, so they never stall others.
         self._awaiting_grammar: list[tuple[Future, str, list[Request]]] = []
-        self._grammars: GrammarService | None = None
         self.startup_s = time.perf_counter() - start
         self._log_startup()
 
@@ -121,52 +120,13 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
                          compile_grammar: bool = True) -> None:
-        """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler.
-        With ``compile_grammar`` a structured-output spec is compiled now (blocking; cached)."""
-        self.check_prompt(prompt_token_ids)
-        if params.pooling != (self.config.pooler is not None):
-            raise ValueError(
-                "this server runs a pooling model (--runner pooling): use /v1/embeddings, "
-                "/score or /rerank, or serve it without --runner pooling to generate text"
-                if self.config.pooler is not None else
-                "this model generates text; embeddings and scores need --runner pooling "
-                "(an embedding or reranker model)")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name} {value} is more than the engine's max_logprobs "
-                                 f"({self.config.max_logprobs}); ask for fewer or raise "
-                                 "--max-logprobs")
-        vocab = self.config.model.vocab_size
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []),
-                          ("logit_bias", list(params.logit_bias or {}))):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (the "
-                                 f"vocabulary has {vocab} tokens)")
-        if compile_grammar and params.structured_outputs is not None:
-            self.grammar_service().compile(params.structured_outputs.to_spec())
+        self.checks.validate_request(prompt_token_ids, params, compile_grammar)
 
     def grammar_service(self) -> GrammarService:
-        """The process's grammar compiler for this model (built on first use: xgrammar loads
-        only when a request asks for structured outputs)."""
-        if self._grammars is None:
-            self._grammars = model_grammar_service(self.config.model, self.tokenizer)
-        return self._grammars
+        return self.checks.grammar_service()
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        max_len = self.config.scheduler.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("The prompt is empty; give at least one token")
-        if len(prompt_token_ids) > max_len:
-            raise PromptTooLongError(
-                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
-                f"model length of {max_len}. Make sure that `max_model_len` is no smaller than "
-                "the number of text tokens.")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab})")
+        self.checks.check_prompt(prompt_token_ids)
 
     def _finalize_params(self, params: SamplingParams) -> SamplingParams:
         params = params.clone()

@@ -13,10 +13,12 @@ aborts the rest, and exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from qwenserve import envs
@@ -76,6 +78,8 @@ def _options(args: argparse.Namespace, model_name: str) -> Any:
         generation_overrides=dict(args.override_generation_config or {}),
         generation_config=args.generation_config or "auto",
         structured_outputs=parse_structured_outputs_config(args.structured_outputs_config),
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_queued_sequences=args.max_queued_sequences,
     )
 
 
@@ -112,10 +116,10 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         state.max_model_len,
         show_hidden=args.show_hidden_metrics_for_version is not None,
     )
-    plan = engine.engine.plan
+    plan = engine.plan
     prom.log_cache_config(
         config.cache.block_size,
-        engine.engine.cache.enable_prefix_caching,
+        engine.enable_prefix_caching,
         config.cache.gpu_memory_utilization,
         plan.num_blocks,
         plan.kv_bytes,
@@ -125,7 +129,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> None:
-    config, plan = engine.config, engine.engine.plan
+    config, plan = engine.config, engine.plan
     mc = config.model
     logger.info(
         "Serving %s as %s: %s, dtype %s, on %s; max_model_len %d; KV cache %s tokens, maximum "
@@ -134,7 +138,7 @@ def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> 
         ", ".join(repr(n) for n in state.options.served_model_names),
         mc.architecture,
         mc.dtype,
-        engine.engine.executor.describe_device(),
+        engine.device_description,
         state.max_model_len,
         f"{plan.token_capacity:,}",
         plan.max_concurrency(state.max_model_len),
@@ -173,11 +177,11 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         app = _build_app(args, state, registry)
         _log_summary(state, engine, host, args.port, "https" if args.ssl_certfile else "http")
-        serve(app, sock, args, state)
+        engine_died = serve(app, sock, args, state)
     finally:
         logger.info("Shutting down the engine")
         engine.shutdown()
-    return 0
+    return 1 if engine_died else 0
 
 
 def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
@@ -206,7 +210,14 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
     return app
 
 
-def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> None:
+def _http_protocol() -> Any:
+    from qwenserve.entrypoints.openai.http_protocol import protocol_with_header_timeout
+
+    return protocol_with_header_timeout(envs.http_header_timeout_s())
+
+
+def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> bool:
+    """Serve until SIGTERM/SIGINT, or until the engine dies; True in the latter case."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -219,9 +230,15 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
                     args.shutdown_timeout,
                     state.engine.num_unfinished_requests(),
                 )
+                if self.qs_loop is not None:  # past the grace period, requests end cleanly
+                    grace = args.shutdown_timeout
+                    self.qs_loop.call_soon_threadsafe(state.start_grace_period, grace)
             super().handle_exit(sig, frame)
 
+        qs_loop: asyncio.AbstractEventLoop | None = None
+
         async def startup(self, sockets: Any = None) -> None:
+            self.qs_loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
             if self.started:  # uvicorn prints this only for sockets it binds itself
                 host, port = sock.getsockname()[:2]
@@ -234,8 +251,10 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
         app,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=envs.http_timeout_keep_alive_s(),
+        http=_http_protocol(),
+        # uvicorn's own cut-off comes later than ours (ServerState.stopping), as a backstop.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path or "",
@@ -244,7 +263,31 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
     # that re-raise is a no-op and the process exits 0 after a clean drain.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    _Server(config).run(sockets=[sock])
+    server = _Server(config)
+    engine_died = watch_engine(state.engine, server)
+    server.run(sockets=[sock])
+    return engine_died.is_set()
+
+
+def watch_engine(engine: Any, server: Any) -> threading.Event:
+    """When the engine dies, stop serving so that the process exits 1 and a supervisor
+    (systemd ``Restart=on-failure``, Kubernetes) restarts it, as vLLM does; with
+    ``QWENSERVE_KEEP_ALIVE_ON_ENGINE_DEATH=1`` keep answering (``/health`` 503) instead."""
+    died = threading.Event()
+    keep_alive = envs.keep_alive_on_engine_death()
+
+    def on_dead(error: BaseException) -> None:
+        if keep_alive:
+            logger.error("The engine is dead (%s); the server stays up as "
+                         "QWENSERVE_KEEP_ALIVE_ON_ENGINE_DEATH is set, and /health answers 503",
+                         error)
+            return
+        logger.error("The engine is dead (%s); shutting the server down", error)
+        died.set()
+        server.should_exit = True
+
+    engine.add_dead_callback(on_dead)
+    return died
 
 
 def main(argv: list[str] | None = None) -> int:

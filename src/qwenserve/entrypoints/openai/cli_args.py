@@ -200,6 +200,24 @@ FRONTEND_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         },
     ),
     (
+        "--max-sequences-per-request",
+        {
+            "type": int,
+            "default": 512,
+            "help": "Most sequences (prompts x n) one request may ask for; more is a 400 "
+            "(qwenserve; default 512).",
+        },
+    ),
+    (
+        "--max-queued-sequences",
+        {
+            "type": int,
+            "default": 4096,
+            "help": "Most sequences waiting for a batch slot (beyond --max-num-seqs running); a "
+            "request that would pass it gets 429 (qwenserve; default 4096).",
+        },
+    ),
+    (
         "--shutdown-timeout",
         {
             "type": float,
@@ -479,6 +497,12 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         ns.override_generation_config, dict
     ):
         return "--override-generation-config must be a JSON object"
+    if ns.max_sequences_per_request < 1:
+        return "--max-sequences-per-request must be >= 1"
+    if ns.max_queued_sequences < 0:
+        return "--max-queued-sequences must be >= 0"
+    if ns.max_log_len is not None and ns.max_log_len < 0:
+        return "--max-log-len must be >= 0 characters"
     if ns.shutdown_timeout < 0:
         return "--shutdown-timeout must be >= 0 seconds"
     return None
