@@ -25,6 +25,7 @@ from qwenserve.config import (
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
+from qwenserve.spec_decode.config import parse_speculative_config
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -95,7 +96,8 @@ class EngineArgs:
     enforce_eager: bool = _opt("Accepted for compatibility: qwenserve always runs eagerly.",
                                default=False)
     max_logprobs: int = _opt("Largest logprobs a request may ask for.", default=20, type=int)
-    block_size: int | None = _opt("Tokens per KV block (default 16).", group="CacheConfig",
+    block_size: int | None = _opt("Tokens per KV block (default: the platform's, 16; 128 on "
+                                  "Ascend NPUs).", group="CacheConfig",
                                   type=int, choices=(1, 8, 16, 32, 64, 128, 256))
     enable_prefix_caching: bool = _opt("Reuse the KV of shared prompt prefixes.",
                                        default=True, group="CacheConfig")
@@ -148,6 +150,10 @@ class EngineArgs:
     enable_expert_parallel: bool = _opt(
         "Shard MoE experts whole across the tensor-parallel ranks instead of slicing each "
         "expert.", default=False, group="ParallelConfig")
+    speculative_config: Any = _opt(
+        "Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": 3} (docs/spec_decode.md).", group="SpeculativeConfig")
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -204,11 +210,11 @@ class EngineArgs:
             from qwenserve.platforms import resolve_platform
 
             platform = resolve_platform()
-        model_config = self.create_model_config(platform)
         block_size = self.block_size or platform.default_block_size
         if block_size not in platform.supported_block_sizes:
             raise ValueError(f"--block-size {block_size} is not supported on {platform.name}; "
                              f"use one of {', '.join(map(str, platform.supported_block_sizes))}")
+        model_config = self.create_model_config(platform)
         max_batched = self.max_num_batched_tokens or 2048
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -220,6 +226,12 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        speculative = parse_speculative_config(self.speculative_config)
+        draft_model = None
+        if speculative is not None and speculative.model:  # the drafter, in the target's dtype
+            draft_model = EngineArgs(model=speculative.model, dtype=model_config.dtype,
+                                     download_dir=self.download_dir
+                                     ).create_model_config(platform)
         if self.load_format in ("dummy", "sharded_state") and model_config.quantization:
             raise ValueError(f"--load-format {self.load_format} with a "
                              f"{model_config.quantization} checkpoint is not implemented yet: "
@@ -239,6 +251,9 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=model_config.max_model_len,
+                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                spec_disable_by_batch_size=speculative.disable_by_batch_size
+                if speculative else None,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel),
@@ -247,6 +262,8 @@ class EngineArgs:
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            speculative=speculative,
+            draft_model=draft_model,
         )
 
     def create_model_config(self, platform: Platform) -> ModelConfig:

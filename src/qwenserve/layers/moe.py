@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwenserve.distributed.parallel_group import ParallelGroup
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _SHARED = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}
@@ -254,3 +260,44 @@ class SparseMoeBlock(nn.Module):
             self.gate.weight.copy_(tensor)
         else:
             raise KeyError(f"SparseMoeBlock: unexpected weight name {name!r}")
+
+
+def is_moe_layer(cfg: PretrainedConfig, layer_id: int) -> bool:
+    """Sparse-MoE MLP here? Every ``decoder_sparse_step``-th layer, minus ``mlp_only_layers``
+    (every layer in the released Qwen3-MoE and Qwen3.5-MoE models)."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (getattr(cfg, "num_experts", 0) > 0 and (layer_id + 1) % step == 0
+            and layer_id not in (getattr(cfg, "mlp_only_layers", None) or ()))
+
+
+class MoEBlock(SparseMoeBlock):
+    """The MoE feed-forward block of a decoder layer, sized from the model config; its
+    tensor-parallel partial sums are all-reduced (one collective, as for a dense MLP).
+
+    ``renormalize`` None: the config's ``norm_topk_prob`` decides (Qwen3-MoE, Qwen3-Next).
+
+    Tensor parallelism slices every expert's intermediate dimension; expert parallelism
+    (``expert_parallel``, ``--enable-expert-parallel``) gives each rank whole experts instead, as
+    vLLM does over the TP ranks, while the shared expert stays sliced. Either way each rank's
+    output is a partial sum of the block's output, so one all-reduce completes it: tokens are
+    replicated on every rank, so the all-gather/reduce-scatter dispatch of vLLM's all-to-all
+    backends reduces to this when there is no data parallelism."""
+
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
+                 shared_intermediate_size: int = 0, renormalize: bool | None = None,
+                 expert_parallel: bool = False) -> None:
+        sliced = MoEShard(tp_rank=tp.rank, tp_size=tp.world_size)
+        shards = ({"shard": MoEShard.expert_parallel(cfg.num_experts, tp.rank, tp.world_size),
+                   "shared_shard": sliced} if expert_parallel else {"shard": sliced})
+        super().__init__(
+            num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", True)) if renormalize is None
+            else renormalize,
+            shared_intermediate_size=shared_intermediate_size, dtype=dtype, **shards)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))

@@ -115,6 +115,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         state.model_name,
         state.max_model_len,
         show_hidden=args.show_hidden_metrics_for_version is not None,
+        speculative=config.speculative is not None,
     )
     plan = engine.plan
     prom.log_cache_config(

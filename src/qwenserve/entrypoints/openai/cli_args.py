@@ -23,6 +23,7 @@ from qwenserve.entrypoints.openai.cli_data_parallel import (
 from qwenserve.entrypoints.openai.cli_spellings import canonical_flag_spellings
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
+from qwenserve.spec_decode.config import parse_speculative_config
 from qwenserve.structured_output.config import (
     fold_dotted_flags,
     parse_structured_outputs_config,
@@ -41,7 +42,6 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
-    (("--speculative-config",), {}, (None,)),
     (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
@@ -348,6 +348,7 @@ def _parse_known_args(
     argv = canonical_flag_spellings(list(sys.argv[1:] if args is None else args))
     argv = fold_dotted_flags(argv, "--structured-outputs-config")
     argv = fold_dotted_flags(argv, "--compilation-config")
+    argv = fold_dotted_flags(argv, "--speculative-config")
     _maybe_filtered_help(self, argv)
     config_argv, config_model = read_config(self, argv)
     if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
@@ -478,6 +479,7 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         return "--enable-auto-tool-choice requires --tool-call-parser"
     try:
         structured = parse_structured_outputs_config(ns.structured_outputs_config)
+        parse_speculative_config(ns.speculative_config)
     except ValueError as e:
         return str(e)
     if structured.reasoning_parser and not ns.reasoning_parser:
