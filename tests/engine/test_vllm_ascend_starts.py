@@ -1,0 +1,73 @@
+"""A few of vLLM Ascend's tutorial commands (the corpus in tests/entrypoints/openai/data) start
+the engine on CPU with tiny random models of their architecture and generate.
+
+Shrunk as the tiny models require, and only that: the model path, ``--tensor-parallel-size``
+capped at 2, ``--max-model-len`` capped at the tiny model's 1024 positions (unless YaRN extends
+it), a KV budget for this machine, and ``--quantization ascend`` dropped (the tiny checkpoints
+are float; a ModelSlim W8A8 checkpoint is what that flag expects). Every other flag is parsed by
+the serve parser and reaches ``EngineArgs`` as written. The pooling commands start a real server
+in tests/entrypoints/openai/test_server_pooling.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from qwenserve import LLM, SamplingParams
+from qwenserve.engine.arg_utils import EngineArgs
+from qwenserve.entrypoints.openai.cli_args import make_serve_parser
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
+CORPUS = json.loads((Path(__file__).parents[1] / "entrypoints" / "openai" / "data"
+                     / "vllm_ascend_qwen_serve_commands.json").read_text())
+DOC = "docs/source/tutorials/models/"
+
+
+def command(file: str, line: int) -> list[str]:
+    entry = next(c for c in CORPUS["commands"] if c["file"] == DOC + file and c["line"] == line)
+    argv = shlex.split(entry["command"])[3:]  # after "vllm serve MODEL"
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--host", "--port", "--quantization"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def engine_args(path: str, argv: list[str]) -> EngineArgs:
+    ns = make_serve_parser().parse_args([path, *argv])
+    args = EngineArgs.from_cli_args(ns)
+    args.model = path
+    args.tensor_parallel_size = min(args.tensor_parallel_size, 2)
+    args.kv_cache_memory_bytes = 160 << 20
+    args.dtype = "float32"
+    return args
+
+
+def generates(args: EngineArgs) -> None:
+    llm = LLM(**vars(args))
+    out = llm.generate([{"prompt_token_ids": [5, 17, 99, 3]}],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.llm_engine.shutdown()
+
+
+def test_qwen3_moe_with_expert_parallel_and_yarn(tiny_model):
+    """Qwen3-235B-A22B.md: EP at TP=2, YaRN through --hf-overrides (131072 = 32768 x 4)."""
+    args = engine_args(tiny_model("qwen3_moe"), command("Qwen3-235B-A22B.md", 214))
+    assert args.enable_expert_parallel and args.max_model_len == 131072
+    assert args.compilation_config == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    generates(args)
+
+
+def test_qwen3_next(tiny_model):
+    args = engine_args(tiny_model("qwen3_next"), command("Qwen3-Next.md", 133))
+    args.max_model_len = 1024
+    generates(args)
