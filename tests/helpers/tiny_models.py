@@ -100,7 +100,7 @@ def _qwen3_5_text(arch: str) -> dict:
     return kw
 
 
-def randomize_(model: torch.nn.Module, seed: int, weight_std: float = 0.15) -> None:
+def randomize_(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -109,14 +109,11 @@ def randomize_(model: torch.nn.Module, seed: int, weight_std: float = 0.15) -> N
             elif p.ndim == 1 and "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(weight_std * torch.randn(p.shape, generator=gen))
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
 
 
-def make_tiny_model(arch: str, path: str, seed: int = 0, weight_std: float = 0.15,
-                    **overrides: Any) -> str:
-    """Write a random-weight model + tokenizer to ``path`` (skipped if already there).
-    ``weight_std``: the spread of the weights; the default makes peaked logits for exact-token
-    tests, and smaller values give the better-conditioned models low-precision tests need."""
+def make_tiny_model(arch: str, path: str, seed: int = 0, **overrides: Any) -> str:
+    """Write a random-weight model + tokenizer to ``path`` (skipped if already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import transformers as tf
@@ -126,7 +123,7 @@ def make_tiny_model(arch: str, path: str, seed: int = 0, weight_std: float = 0.1
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_(model, seed, weight_std)
+    randomize_(model, seed)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
