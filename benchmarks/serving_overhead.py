@@ -188,7 +188,7 @@ def offline_worker(args: argparse.Namespace) -> None:
 
 
 def _size(value: str) -> int:
-    from qwenserve.config import human_readable_int
+    from qwenserve.engine.arg_utils import human_readable_int
 
     return human_readable_int(value)
 

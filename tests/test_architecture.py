@@ -9,7 +9,7 @@ import sys
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "qwenserve"
 DEVICE_MODULES = ("torch.cuda", "torch.npu")
-DEVICE_STRINGS = ("nccl", "hccl")
+DEVICE_STRINGS = ("nccl", "hccl", "cuda", "npu", "torch_npu")
 
 
 def _device_uses(tree: ast.AST) -> list[str]:
@@ -26,9 +26,89 @@ def _device_uses(tree: ast.AST) -> list[str]:
     return found
 
 
+# Every module's floor: a module may import only from floors strictly below its own (or from
+# its own unit, the longest key that prefixes its dotted name). Plain data sits at the bottom,
+# then the device and kernel seams, models, the worker, the engine, the entry points and tools:
+#     core <- engine <- entrypoints        models -> layers        never back up
+# A new package gets a line here, on the floor of what it may import.
+FLOORS = {
+    "envs": 0,
+    "logger": 1,
+    "config": 2,  # plain frozen configs: every floor reads them
+    "metrics.stats": 2,  # plain statistics: core fills them
+    "structured_output.params": 2,
+    "structured_output.config": 2,
+    "multimodal": 2,  # image placement (plain data) and preprocessing
+    "quantization.schemes": 3,  # which quantization a checkpoint uses (no torch)
+    "sampling_params": 3,
+    "request": 4,
+    "outputs": 4,
+    "core": 5,  # scheduler and cache bookkeeping (no torch)
+    "platforms": 5,
+    "distributed": 5,
+    "metrics": 6,
+    "quantization.kernels": 6,  # int8 primitives the layers use
+    "layers": 7,
+    "quantization": 8,  # linear methods: implement layers' LinearMethod
+    "models": 9,
+    "structured_output": 10,
+    "worker": 11,
+    "engine": 12,
+    "entrypoints": 13,
+    "tools": 14,
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str | None:
+    """The FLOORS key of a module inside qwenserve (None: the package root, which is light
+    and imports everything lazily)."""
+    keys = [k for k in FLOORS if module == k or module.startswith(k + ".")]
+    if not keys:
+        assert not module, f"qwenserve.{module} has no floor: add its package to FLOORS"
+        return None
+    return max(keys, key=len)
+
+
+def _imported_modules(tree: ast.AST) -> list[str]:
+    """qwenserve modules (relative dotted names) imported anywhere in a file, lazily and under
+    TYPE_CHECKING included: a type annotation is an arrow too."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "qwenserve":  # `from qwenserve import envs`: submodules
+                found += [f"qwenserve.{a.name}" for a in node.names
+                          if (SRC / a.name).is_dir() or (SRC / f"{a.name}.py").is_file()]
+            else:
+                found.append(node.module)
+    return [m.removeprefix("qwenserve.") for m in found if m.startswith("qwenserve.")]
+
+
+def test_imports_point_down():
+    """No arrow in the import graph runs upward (or sideways between units of one floor)."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        importer = _module_name(path)
+        unit = _unit(importer)
+        if unit is None:
+            continue
+        for imported in _imported_modules(ast.parse(path.read_text())):
+            target = _unit(imported)
+            if target is not None and target != unit and FLOORS[target] >= FLOORS[unit]:
+                offenders.append(f"{importer} (floor {FLOORS[unit]}) imports {imported} "
+                                 f"(floor {FLOORS[target]})")
+    assert not offenders, "\n".join(offenders)
+
+
 def test_core_imports_no_torch():
-    code = ("import sys, qwenserve.core.scheduler, qwenserve.core.cache.manager, "
-            "qwenserve.core.cache.plan, qwenserve.core.sched_output; "
+    modules = sorted(_module_name(p) for p in (SRC / "core").rglob("*.py"))
+    code = (f"import sys; import {', '.join('qwenserve.' + m for m in modules)}; "
             "assert 'torch' not in sys.modules, 'core imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -15,14 +15,14 @@ _LAZY = {
     "StructuredOutputsParams": "qwenserve.sampling_params",
     "RequestOutput": "qwenserve.outputs",
     "CompletionOutput": "qwenserve.outputs",
-    "EngineArgs": "qwenserve.config",
+    "EngineArgs": "qwenserve.engine.arg_utils",
     "AsyncEngine": "qwenserve.engine.async_engine",
 }
 
 __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
-    from qwenserve.config import EngineArgs
+    from qwenserve.engine.arg_utils import EngineArgs
     from qwenserve.engine.async_engine import AsyncEngine
     from qwenserve.entrypoints.llm import LLM
     from qwenserve.outputs import CompletionOutput, RequestOutput

@@ -52,6 +52,11 @@ def api_key() -> str | None:
     return _get("API_KEY", "VLLM_API_KEY")
 
 
+def server_dev_mode() -> bool:
+    """Serve the development routes (``/reset_prefix_cache``), as vLLM's ``VLLM_SERVER_DEV_MODE``."""
+    return _flag("SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
+
+
 def platform_override() -> str | None:
     return _get("PLATFORM")
 
@@ -114,3 +119,27 @@ def max_media_download_bytes() -> int:
 def max_image_pixels() -> int:
     """Largest decoded image, width x height (``VLLM_MAX_IMAGE_PIXELS``, vLLM's default)."""
     return int(_number("MAX_IMAGE_PIXELS", "VLLM_MAX_IMAGE_PIXELS", 178_956_970))
+
+
+def enable_multiprocessing() -> bool:
+    """The server's engine runs in its own process (default); ``QWENSERVE_ENABLE_MULTIPROCESSING=0``
+    (or vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs it on a thread of the API process, for
+    debugging."""
+    value = _get("ENABLE_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING", "1") or "1"
+    return value.strip().lower() not in {"0", "false", "no", "off"}
+
+
+def keep_alive_on_engine_death() -> bool:
+    """Keep the API server up (``/health`` 503) when the engine dies, instead of exiting 1."""
+    return _flag("KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
+
+
+def cpu_omp_threads_bind() -> str:
+    """Which CPU cores the engine process's OpenMP threads use (``QWENSERVE_CPU_OMP_THREADS_BIND``
+    / ``VLLM_CPU_OMP_THREADS_BIND``): ``auto`` (default), ``all``, or a list such as ``0-3,6``."""
+    return (_get("CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND", "auto") or "auto").strip()
+
+
+def engine_ready_timeout_s() -> float:
+    """How long the server waits for its engine process to load the model (default 1 hour)."""
+    return _number("ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", 3600.0)

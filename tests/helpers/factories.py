@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import CacheManager
-from qwenserve.core.scheduler import Scheduler, SchedulerLimits
+from qwenserve.core.scheduler import Scheduler
 from qwenserve.request import Request
 from qwenserve.sampling_params import SamplingParams
 
@@ -23,4 +24,4 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
                    max_num_batched_tokens: int = 32, max_model_len: int = 256,
                    enable_prefix_caching: bool = True, num_state_slots: int = 0) -> Scheduler:
     cache = CacheManager(num_blocks, block_size, enable_prefix_caching, num_state_slots)
-    return Scheduler(SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len), cache)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), cache)

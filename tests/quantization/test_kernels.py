@@ -58,7 +58,7 @@ def qkv_layer(quant) -> QKVParallelLinear:
 def test_load_time_int8_quantizes_each_shard_as_it_arrives():
     torch.manual_seed(0)
     q, k, v = torch.randn(64, 64), torch.randn(32, 64), torch.randn(32, 64)
-    layer = qkv_layer(LoadTimeInt8Config(CpuPlatform()))
+    layer = qkv_layer(LoadTimeInt8Config(Int8Matmul(CpuPlatform())))
     for shard_id, w in zip("qkv", (q, k, v), strict=True):
         layer.weight.weight_loader(layer.weight, w, shard_id)
     whole_q, whole_scale = quantize_weight(torch.cat([q, k, v]))
@@ -69,7 +69,7 @@ def test_load_time_int8_quantizes_each_shard_as_it_arrives():
 
 def test_fallback_without_int8_gemm_gives_the_same_output():
     torch.manual_seed(1)
-    layer = qkv_layer(LoadTimeInt8Config(CpuPlatform()))
+    layer = qkv_layer(LoadTimeInt8Config(Int8Matmul(CpuPlatform())))
     for shard_id, rows in zip("qkv", (64, 32, 32), strict=True):
         layer.weight.weight_loader(layer.weight, torch.randn(rows, 64), shard_id)
     x = torch.randn(9, 64)
@@ -81,7 +81,7 @@ def test_fallback_without_int8_gemm_gives_the_same_output():
 def modelslim_qkv(ranges, int64_deq=False):
     """A ModelSlim W8A8 q/k/v layer loaded through the layer loaders, plus its float weights."""
     desc = {f"model.layers.0.self_attn.{p}_proj.weight": "W8A8" for p in "qkv"}
-    layer = qkv_layer(ModelSlimConfig(desc, CpuPlatform()))
+    layer = qkv_layer(ModelSlimConfig(desc, Int8Matmul(CpuPlatform())))
     weights = {p: torch.randn(rows, 64) for p, rows in zip("qkv", (64, 32, 32), strict=True)}
     biases = {p: torch.randn(w.shape[0]) for p, w in weights.items()}
     for p in "qkv":
@@ -109,7 +109,7 @@ def test_modelslim_static_w8a8_layer(int64_deq, same_ranges):
 
 def test_modelslim_row_parallel_adds_quant_bias_on_rank_zero_only():
     desc = {"model.layers.0.self_attn.o_proj.weight": "W8A8"}
-    layer = RowParallelLinear(64, 32, quant_method=ModelSlimConfig(desc, CpuPlatform())
+    layer = RowParallelLinear(64, 32, quant_method=ModelSlimConfig(desc, Int8Matmul(CpuPlatform()))
                               .linear_method("model.layers.0.self_attn.o_proj"))
     torch.manual_seed(3)
     weight, bias, x = torch.randn(32, 64), torch.randn(32), torch.randn(4, 64)

@@ -193,9 +193,7 @@ def test_environment_and_flag_errors(monkeypatch, capsys):
     monkeypatch.setenv("QWENSERVE_CPU_KVCACHE_SPACE", "lots")
     assert_diagnosed(raised(envs.cpu_kvcache_space_gib), "cpu-kvcache-space-invalid")
     monkeypatch.setenv("QWENSERVE_PLATFORM", "tpu")
-    resolve_platform.cache_clear()
     assert_diagnosed(raised(resolve_platform), "qs-invalid-setting")
-    resolve_platform.cache_clear()
     monkeypatch.delenv("QWENSERVE_PLATFORM")
     monkeypatch.setenv("NNODES", "2")
     monkeypatch.delenv("MASTER_PORT", raising=False)
@@ -224,8 +222,8 @@ def test_serving_errors(tiny_model):
 
 
 def test_engine_config_errors(tiny_model, tmp_path):
-    from qwenserve.config import EngineArgs
-    from qwenserve.tokenizer import load_tokenizer
+    from qwenserve.engine.arg_utils import EngineArgs
+    from qwenserve.models.tokenizer import load_tokenizer
 
     path = tiny_model("qwen2")
     bad = EngineArgs(model=path, gpu_memory_utilization=1.5)

@@ -49,7 +49,7 @@ def test_engine_budget_subtracts_weights_activations_and_other_processes(
         tiny_model, monkeypatch, others, peak):
     device = FakeDevice()
     device.others, device.peak = others, peak
-    monkeypatch.setattr("qwenserve.worker.worker.resolve_platform", lambda name=None: device)
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
     monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
     path = tiny_model("qwen2")
     from qwenserve.worker import worker as worker_module
@@ -71,7 +71,7 @@ def test_engine_budget_subtracts_weights_activations_and_other_processes(
 def test_no_room_names_the_numbers_and_the_flags(tiny_model, monkeypatch):
     device = FakeDevice()
     device.others = 7 * GIB
-    monkeypatch.setattr("qwenserve.worker.worker.resolve_platform", lambda name=None: device)
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
     monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
     with pytest.raises(MemoryError, match=r"other processes \(7.0 GiB\).*--gpu-memory-utiliz"):
         LLM(tiny_model("qwen2"), dtype="float32", max_model_len=128, gpu_memory_utilization=0.5)
@@ -80,7 +80,7 @@ def test_no_room_names_the_numbers_and_the_flags(tiny_model, monkeypatch):
 def test_no_room_for_activations_names_them(tiny_model, monkeypatch):
     device = FakeDevice()
     device.others, device.peak = 0, 4 * GIB
-    monkeypatch.setattr("qwenserve.worker.worker.resolve_platform", lambda name=None: device)
+    monkeypatch.setattr("qwenserve.platforms.resolve_platform", lambda name=None: device)
     monkeypatch.setattr(FakeDevice, "weights", 0, raising=False)
     with pytest.raises(MemoryError, match=r"activations \(4.0 GiB\)"):
         LLM(tiny_model("qwen2"), dtype="float32", max_model_len=128, gpu_memory_utilization=0.5)

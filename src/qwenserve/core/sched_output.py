@@ -69,6 +69,24 @@ class SampledToken:
 
 
 @dataclass
+class RequestUpdate:
+    """What one step did to one request, for the engine's output processing: its new token,
+    and how it finished (``finish_reason`` "stop" | "length" | "abort", None while running)."""
+
+    request_id: str
+    new_token: SampledToken
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int  # prompt tokens found in the prefix cache (-1: not admitted yet)
+    first_scheduled_time: float | None  # wall clock
+    prompt_logprobs: list[SampledToken] | None = None  # with its first token, when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class ModelOutput:
     """Rank 0's answer to a SchedulerOutput: one sample per chunk with ``sample=True``."""
 

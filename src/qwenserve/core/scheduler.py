@@ -12,55 +12,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
+from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.sched_output import (
     ModelOutput,
     NewRequestData,
+    RequestUpdate,
     SampledToken,
     ScheduledChunk,
     SchedulerOutput,
 )
+from qwenserve.metrics.stats import SchedulerStats
 from qwenserve.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request: its new token and whether it finished."""
-
-    request: Request
-    new_token: SampledToken
-    finished: bool
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    finished: list[Request] = field(default_factory=list)  # since the last stats() call
-
-
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, cache: CacheManager) -> None:
+    def __init__(self, limits: SchedulerConfig, cache: CacheManager) -> None:
         self.limits = limits
         self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # workers drop their state for these next step
-        self._finished: list[Request] = []  # for stats, drained by stats()
         self.num_preemptions = 0
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -212,7 +186,7 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            updates.append(RequestUpdate(req, token, status is not None))
+            updates.append(_update(req, token))
         return updates
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
@@ -230,11 +204,9 @@ class Scheduler:
         self.cache.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-        self._finished.append(req)
 
     # ---- observation --------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
-        finished, self._finished = self._finished, []
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -242,8 +214,23 @@ class Scheduler:
             prefix_cache_queries=self.cache.stats.queries,
             prefix_cache_hits=self.cache.stats.hits,
             num_preemptions=self.num_preemptions,
-            finished=finished,
         )
+
+
+def _update(req: Request, token: SampledToken) -> RequestUpdate:
+    """The step's news about ``req`` as plain data (the live request stays in core)."""
+    finish = req.finish_reason
+    first = req.num_output_tokens == 1
+    return RequestUpdate(
+        request_id=req.request_id,
+        new_token=token,
+        finish_reason=None if finish is None else finish.value,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=req.num_cached_tokens,
+        first_scheduled_time=req.first_scheduled_time,
+        prompt_logprobs=list(req.prompt_logprobs)
+        if first and req.sampling_params.prompt_logprobs is not None else None,
+    )
 
 
 def _collect_prompt_logprobs(req: Request, first_pos: int, entries: list[SampledToken]) -> None:

@@ -1,108 +1,146 @@
-"""AsyncEngine: the engine loop in a background thread, one asyncio queue per request.
+"""AsyncEngine: the server's asyncio face of the engine, one asyncio queue per request.
 
-    asyncio handlers --(commands: add / abort)--> inbox --> engine thread: step() in a loop
-    asyncio handlers <--(RequestOutput deltas)--- per-request queues (call_soon_threadsafe)
+    asyncio handlers --(AddRequest / AbortRequests / UtilityCall)--> engine core
+    asyncio handlers <--(one StepOutputs per engine step)----------- engine core
 
-torch releases the GIL inside its kernels, so the event loop keeps serving HTTP while a step
-runs. A request whose consumer goes away (client disconnect, cancelled task) is aborted and its
-KV blocks are freed at the next step boundary.
+The engine core runs in its own process by default (``core_client.py`` <-> ``core_proc.py``,
+over ZeroMQ), so the model's OpenMP threads and the event loop do not share one GIL; or on a
+thread of this process (``core_thread.py``; ``QWENSERVE_ENABLE_MULTIPROCESSING=0``) for
+debugging. Each step's outputs reach the event loop in one wake-up. A request whose consumer
+goes away (client disconnect, cancelled task) is aborted and its KV blocks are freed at the next
+step boundary. When the engine dies, every pending call fails at once with ``EngineDeadError``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import dataclasses
+import itertools
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from qwenserve.config import EngineArgs
+from qwenserve import envs
+from qwenserve.config import EngineConfig
+from qwenserve.engine.arg_utils import EngineArgs
+from qwenserve.core.cache.plan import CachePlan
+from qwenserve.engine.core_client import CoreClient, EngineDeadError, ProcCoreClient
+from qwenserve.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    StepOutputs,
+    UtilityCall,
+)
+from qwenserve.engine.core_thread import ThreadCoreClient
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.logger import init_logger
-from qwenserve.outputs import RequestOutput
-from qwenserve.sampling_params import SamplingParams
+from qwenserve.metrics.stats import EngineStats, IterationStats
+from qwenserve.outputs import CompletionOutput, RequestOutput
+from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; the server must report unhealthy and restart."""
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    arrival_time: float
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    """Run ``fn`` on the engine thread (the only thread that may touch the engine's state)."""
-
-    fn: Any
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+_Item = RequestOutput | BaseException
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+    def __init__(self, core: CoreClient, stat_loggers: list[Any] | None = None) -> None:
+        self.core = core
+        self.stat_loggers = list(stat_loggers or [])
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[object]]] = {}
+        self._call_ids = itertools.count()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.dead_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="qwenserve-engine", daemon=True)
-        self._thread.start()
+        self.dead_error: EngineDeadError | None = None
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._last_stats: EngineStats | None = None
+        core.start(self)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[Any] | None = None
-                         ) -> AsyncEngine:
-        return cls(LLMEngine.from_engine_args(args, stat_loggers=stat_loggers))
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[Any] | None = None,
+                         multiprocess: bool | None = None) -> AsyncEngine:
+        """The engine core in its own process unless ``multiprocess`` is False (default: the
+        ``QWENSERVE_ENABLE_MULTIPROCESSING`` setting)."""
+        if multiprocess is None:
+            multiprocess = envs.enable_multiprocessing()
+        core: CoreClient
+        if multiprocess:
+            core = ProcCoreClient(args)
+        else:
+            core = ThreadCoreClient(LLMEngine.from_engine_args(args))
+        return cls(core, stat_loggers)
 
-    # ---- the asyncio side ---------------------------------------------------------------------
+    # ---- what the server reads at start-up ----------------------------------------------------
     @property
-    def is_running(self) -> bool:
-        return self._thread.is_alive() and self.dead_error is None
+    def config(self) -> EngineConfig:
+        return self.core.ready.config
+
+    @property
+    def plan(self) -> CachePlan:
+        return self.core.ready.plan
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.core.ready.enable_prefix_caching
+
+    @property
+    def device_description(self) -> str:
+        return self.core.ready.device_description
+
+    @property
+    def multiprocess(self) -> bool:
+        return isinstance(self.core, ProcCoreClient)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The in-process LLMEngine (thread topology only: for tests and debugging)."""
+        if not isinstance(self.core, ThreadCoreClient):
+            raise RuntimeError("the engine runs in its own process; set "
+                               "QWENSERVE_ENABLE_MULTIPROCESSING=0 to reach it in-process")
+        return self.core.engine
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.core.tokenizer
 
     @property
-    def config(self) -> Any:
-        return self.engine.config
+    def is_running(self) -> bool:
+        return self.dead_error is None
 
+    def add_dead_callback(self, fn: Callable[[EngineDeadError], None]) -> None:
+        """Call ``fn`` (on a background thread) once the engine has died."""
+        with self._lock:
+            dead = self.dead_error
+            if dead is None:
+                self._dead_callbacks.append(fn)
+        if dead is not None:
+            fn(dead)
+
+    # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, prompt: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; raises ``ValueError`` at once for a
-        request the engine would refuse, and ``EngineDeadError`` if the engine fails."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self.dead_error
-        self.engine.validate_request(prompt_token_ids, params)
-        out_queue: asyncio.Queue = asyncio.Queue()
+        request the engine would refuse, and ``EngineDeadError`` if the engine dies."""
+        self._check_alive()
+        self.core.checks.validate_request(prompt_token_ids, params)
+        out_queue: asyncio.Queue[_Item] = asyncio.Queue()
         with self._lock:
+            self._check_alive()
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), out_queue)
-        self._send(_Add(request_id, prompt_token_ids, params, prompt, time.monotonic()))
         finished = False
         try:
+            self.core.send(AddRequest(request_id, prompt_token_ids, params, prompt,
+                                      time.monotonic()))
             while not finished:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                item = _coalesce(item, out_queue, params.output_kind)
                 finished = item.finished
                 yield item
         finally:
@@ -112,17 +150,22 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._send(_Abort(request_id))
+        if self.dead_error is None:
+            self.core.send(AbortRequests([request_id]))
 
-    async def call_in_engine(self, fn: Any) -> Any:
-        """Run ``fn()`` on the engine thread between steps and return its result."""
+    async def call_utility(self, name: str, *args: int | float | str | bool | None) -> object:
+        """Run ``LLMEngine.<name>(*args)`` in the engine between steps and return its result."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._send(_Call(fn, loop, future))
+        future: asyncio.Future[object] = loop.create_future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._check_alive()
+            self._calls[call_id] = (loop, future)
+        self.core.send(UtilityCall(call_id, name, tuple(args)))
         return await future
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.call_in_engine(self.engine.reset_prefix_cache)
+        return bool(await self.call_utility("reset_prefix_cache"))
 
     def num_unfinished_requests(self) -> int:
         with self._lock:
@@ -136,83 +179,119 @@ class AsyncEngine:
         return self.num_unfinished_requests() == 0
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._wakeup.set()
-        self._thread.join(timeout=30)
-        self.engine.shutdown()
+        self.core.shutdown()
 
-    def _send(self, command: Any) -> None:
-        self._inbox.put(command)
-        self._wakeup.set()
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
 
-    # ---- the engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        idle_reported = True
-        try:
-            while not self._stop.is_set():
-                if self._apply_commands():
-                    idle_reported = False
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
-                    idle_reported = False
-                else:
-                    if not idle_reported:  # aborts freed blocks and no step will report it
-                        self.engine.record_idle_stats()
-                        idle_reported = True
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
-        except BaseException as e:  # noqa: BLE001 - any failure kills the engine: report it
-            logger.exception("The engine loop failed; the server is now unhealthy")
-            self.dead_error = e
-            error = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
-            with self._lock:
-                request_ids = list(self._queues)
-            for request_id in request_ids:
-                self._deliver(request_id, error)
-
-    def _apply_commands(self) -> bool:
-        """Apply queued commands; True if any changed the engine's state."""
-        changed = False
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return changed
-            changed = True
-            if isinstance(command, _Abort):
-                self.engine.abort_request(command.request_id)
-                continue
-            if isinstance(command, _Call):
-                self._run_call(command)
-                continue
-            with self._lock:
-                wanted = command.request_id in self._queues
-            if not wanted:  # the client left before the request reached the engine
-                continue
-            try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                        command.params, command.prompt, command.arrival_time)
-            except ValueError as e:
-                self._deliver(command.request_id, e)
-
-    @staticmethod
-    def _run_call(command: _Call) -> None:
-        try:
-            result: Any = command.fn()
-            setter = command.future.set_result
-        except Exception as e:  # noqa: BLE001 - handed to the caller
-            result, setter = e, command.future.set_exception
-
-        def settle() -> None:
-            if not command.future.done():
-                setter(result)
-
-        command.loop.call_soon_threadsafe(settle)
-
-    def _deliver(self, request_id: str, item: Any) -> None:
+    # ---- the engine core's side (called on its receiving thread) -------------------------------
+    def on_step(self, step: StepOutputs) -> None:
+        """Hand one step's outputs to their requests' queues: one wake-up per event loop."""
+        for stats in step.stats:
+            self._record(stats)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
         with self._lock:
-            target = self._queues.get(request_id)
-        if target is not None:
-            loop, out_queue = target
-            loop.call_soon_threadsafe(out_queue.put_nowait, item)
+            for out in step.outputs:
+                target = self._queues.get(out.request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], out))
+            for request_id, message in step.errors:
+                target = self._queues.get(request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], ValueError(message)))
+            settled = [(self._calls.pop(r.call_id, None), r.ok, r.value) for r in step.results]
+        for loop, items in batches.items():
+            _call_soon(loop, _put_all, items)
+        for call, ok, value in settled:
+            if call is not None:
+                result = value if ok else RuntimeError(str(value))
+                _call_soon(call[0], _settle, call[1], ok, result)
+
+    def on_dead(self, message: str) -> None:
+        """The engine died: fail every pending request and call, zero the gauges, tell the
+        server (which exits unless told to keep alive)."""
+        error = EngineDeadError(message)
+        with self._lock:
+            if self.dead_error is not None:
+                return
+            self.dead_error = error
+            queues = list(self._queues.values())
+            calls = list(self._calls.values())
+            self._calls.clear()
+            callbacks = list(self._dead_callbacks)
+        logger.error("The engine died: %s", message)
+        for loop, out_queue in queues:
+            _call_soon(loop, out_queue.put_nowait, error)
+        for loop, future in calls:
+            _call_soon(loop, _settle, future, False, error)
+        last = self._last_stats
+        self._record(EngineStats(0, 0, 0.0, last.prefix_cache_queries if last else 0,
+                                 last.prefix_cache_hits if last else 0,
+                                 last.num_preemptions if last else 0, IterationStats()))
+        for fn in callbacks:
+            fn(error)
+
+    def _record(self, stats: EngineStats) -> None:
+        self._last_stats = stats
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
+
+
+def _coalesce(item: RequestOutput, out_queue: asyncio.Queue[_Item],
+              kind: RequestOutputKind) -> RequestOutput:
+    """A consumer that fell behind gets everything queued for it as one output (one SSE chunk),
+    not one per step: deltas are concatenated, a cumulative output replaces the older ones."""
+    while not out_queue.empty() and kind != RequestOutputKind.FINAL_ONLY:
+        following = out_queue._queue[0]  # type: ignore[attr-defined]  # peek: an error stays
+        if isinstance(following, BaseException):
+            break
+        out_queue.get_nowait()
+        item = following if kind == RequestOutputKind.CUMULATIVE else merge_deltas(item,
+                                                                                   following)
+    return item
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one."""
+    merged = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        prev = merged.get(c.index)
+        if prev is None:
+            merged[c.index] = c
+            continue
+        logprobs = None
+        if prev.logprobs is not None or c.logprobs is not None:
+            logprobs = [*(prev.logprobs or []), *(c.logprobs or [])]
+        merged[c.index] = CompletionOutput(c.index, prev.text + c.text,
+                                           [*prev.token_ids, *c.token_ids],
+                                           c.cumulative_logprob, logprobs, c.finish_reason,
+                                           c.stop_reason)
+    return dataclasses.replace(
+        then, outputs=[merged[i] for i in sorted(merged)],
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
+        else then.prompt_logprobs,
+        num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens),
+        extra={**first.extra, **then.extra})
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that loop has closed: nobody is waiting there any more
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for out_queue, item in items:
+        out_queue.put_nowait(item)
+
+
+def _settle(future: asyncio.Future[object], ok: bool, value: object) -> None:
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        assert isinstance(value, BaseException)
+        future.set_exception(value)

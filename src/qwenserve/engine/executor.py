@@ -6,15 +6,21 @@ implements the same three methods.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.plan import CachePlan
 from qwenserve.core.sched_output import ModelOutput, SchedulerOutput
 from qwenserve.worker.worker import Worker
 
+if TYPE_CHECKING:
+    from qwenserve.engine.mp_executor import MultiprocExecutor
+    from qwenserve.platforms.base import Platform
+
 
 class UniprocExecutor:
-    def __init__(self, config: EngineConfig) -> None:
-        self.worker = Worker(config)
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.worker = Worker(config, platform)
         self.worker.load_model()
         self.specs = self.worker.specs
         self.load_s = self.worker.load_s
@@ -39,9 +45,10 @@ class UniprocExecutor:
         """Nothing to stop in-process."""
 
 
-def make_executor(config: EngineConfig):
+def make_executor(config: EngineConfig, platform: Platform
+                  ) -> UniprocExecutor | MultiprocExecutor:
     if config.parallel.tensor_parallel_size > 1:
         from qwenserve.engine.mp_executor import MultiprocExecutor
 
-        return MultiprocExecutor(config)
-    return UniprocExecutor(config)
+        return MultiprocExecutor(config, platform)
+    return UniprocExecutor(config, platform)

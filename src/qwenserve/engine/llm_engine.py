@@ -8,53 +8,61 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qwenserve.config import EngineArgs, EngineConfig
+from qwenserve import platforms
+from qwenserve.config import EngineConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.scheduler import Scheduler
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.executor import make_executor
 from qwenserve.engine.output_processor import OutputProcessor
+from qwenserve.engine.request_checks import PromptTooLongError, RequestChecks
 from qwenserve.logger import init_logger
 from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
+from qwenserve.models.tokenizer import load_tokenizer
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
-from qwenserve.structured_output.service import GrammarService, model_grammar_service
-from qwenserve.tokenizer import load_tokenizer
+from qwenserve.structured_output.service import GrammarService
+
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
 
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit ``max_model_len`` (vLLM's wording, so clients can match it)."""
+__all__ = ["LLMEngine", "PromptTooLongError"]  # the error's old home, kept for importers
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, stat_loggers: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: list[Any] | None = None,
+                 platform: Platform | None = None) -> None:
+        """``platform``: the one ``config`` was resolved on (default: by its name)."""
         start = time.perf_counter()
         self.config = config
         mc = config.model
         self.tokenizer = load_tokenizer(mc)
-        self.executor = make_executor(config)
+        self.executor = make_executor(config, platform or platforms.resolve_platform(config.platform_name))
         self.plan = self.executor.plan_cache()
         self.executor.init_cache(self.plan)
         self.cache = CacheManager(self.plan.num_blocks, config.cache.block_size,
                                   config.cache.enable_prefix_caching, self.plan.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.checks = RequestChecks(config, self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._pending_aborts: list[FinishedRequestStats] = []
         # Structured-output requests whose grammar is still compiling: (future, parent id,
         # children). They reach the scheduler once it is ready, so they never stall others.
         self._awaiting_grammar: list[tuple[Future, str, list[Request]]] = []
-        self._grammars: GrammarService | None = None
         self.startup_s = time.perf_counter() - start
         self._log_startup()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
-        return cls(args.create_engine_config(), **kwargs)
+        """The engine's entry point: the platform is resolved here, once, and passed down."""
+        platform = platforms.resolve_platform()
+        return cls(args.create_engine_config(platform), platform=platform, **kwargs)
 
     def _log_startup(self) -> None:
         mc, sched = self.config.model, self.config.scheduler
@@ -112,45 +120,13 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
                          compile_grammar: bool = True) -> None:
-        """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler.
-        With ``compile_grammar`` a structured-output spec is compiled now (blocking; cached)."""
-        self.check_prompt(prompt_token_ids)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name} {value} is more than the engine's max_logprobs "
-                                 f"({self.config.max_logprobs}); ask for fewer or raise "
-                                 "--max-logprobs")
-        vocab = self.config.model.vocab_size
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []),
-                          ("logit_bias", list(params.logit_bias or {}))):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (the "
-                                 f"vocabulary has {vocab} tokens)")
-        if compile_grammar and params.structured_outputs is not None:
-            self.grammar_service().compile(params.structured_outputs.to_spec())
+        self.checks.validate_request(prompt_token_ids, params, compile_grammar)
 
     def grammar_service(self) -> GrammarService:
-        """The process's grammar compiler for this model (built on first use: xgrammar loads
-        only when a request asks for structured outputs)."""
-        if self._grammars is None:
-            self._grammars = model_grammar_service(self.config.model, self.tokenizer)
-        return self._grammars
+        return self.checks.grammar_service()
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        max_len = self.config.scheduler.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("The prompt is empty; give at least one token")
-        if len(prompt_token_ids) > max_len:
-            raise PromptTooLongError(
-                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
-                f"model length of {max_len}. Make sure that `max_model_len` is no smaller than "
-                "the number of text tokens.")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab})")
+        self.checks.check_prompt(prompt_token_ids)
 
     def _finalize_params(self, params: SamplingParams) -> SamplingParams:
         params = params.clone()
@@ -231,12 +207,9 @@ class LLMEngine:
 
     def _record(self, iteration: IterationStats) -> None:
         if not self.stat_loggers:
-            self.scheduler.stats()  # drain the finished list
             return
         s = self.scheduler.stats()
-        engine_stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
-                                   s.prefix_cache_queries, s.prefix_cache_hits,
-                                   s.num_preemptions, iteration)
+        engine_stats = EngineStats(**vars(s), iteration=iteration)
         for stat_logger in self.stat_loggers:
             stat_logger.record(engine_stats)
 

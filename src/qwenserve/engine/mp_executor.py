@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.plan import CachePlan
@@ -46,8 +46,10 @@ from qwenserve.engine.rank_process import (
     send_arguments,
 )
 from qwenserve.logger import init_logger
-from qwenserve.platforms import resolve_platform
 from qwenserve.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
 
@@ -176,7 +178,7 @@ class _Ranks:
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
         check_tp_divides(config)
         check_no_process_group()
         self.config = config
@@ -191,12 +193,11 @@ class MultiprocExecutor:
                              name="qwenserve-worker-watch").start()
             if not self.is_driver_node:
                 self._host_workers(rdzv)
-            platform = resolve_platform(config.platform_name)
             platform.device(0)
             self.tp = init_parallel_group(platform.dist_backend, 0, rdzv, listener,
                                           check_peers=self._ranks.raise_if_dead)
             self._ranks.tp = self.tp
-            self.worker = Worker(config, self.tp, 0)
+            self.worker = Worker(config, platform, self.tp, 0)
             self.worker.load_model()
         except BaseException:
             if listener is not None:

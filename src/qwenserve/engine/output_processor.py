@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from qwenserve.core.scheduler import RequestUpdate
+from qwenserve.core.sched_output import RequestUpdate, SampledToken
 from qwenserve.engine.detokenizer import IncrementalDetokenizer
 from qwenserve.metrics.stats import FinishedRequestStats, IterationStats
 from qwenserve.outputs import (
@@ -21,7 +21,6 @@ from qwenserve.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from qwenserve.request import RequestStatus
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -94,7 +93,7 @@ class OutputProcessor:
         touched: dict[str, set[int]] = {}
         stopped: dict[str, str] = {}
         for update in updates:
-            child_id = update.request.request_id
+            child_id = update.request_id
             parent_id, index = self.child_to_parent[child_id]
             state = self.requests[parent_id]
             stop = self._apply(state, state.completions[index], update, now, stats)
@@ -107,41 +106,41 @@ class OutputProcessor:
 
     def _apply(self, state: _RequestState, comp: _Completion, update: RequestUpdate,
                now: float, stats: IterationStats) -> str | None:
-        req, token = update.request, update.new_token
+        token = update.new_token
         comp.token_ids.append(token.token_id)
         stats.num_generation_tokens += 1
         if comp.first_token_time is None:
             comp.first_token_time = now
-            state.num_cached_tokens = max(state.num_cached_tokens, req.num_cached_tokens)
+            state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
             stats.num_prompt_tokens += len(state.prompt_token_ids)
             stats.ttfts_s.append(now - state.arrival_mono)
             if state.params.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = [None] + [
-                    self._logprob_entry(comp, t) for t in req.prompt_logprobs]
+                    self._logprob_entry(comp, t) for t in update.prompt_logprobs or []]
         else:
             stats.itls_s.append(now - (comp.last_token_time or now))
         comp.last_token_time = now
         if comp.logprobs is not None and token.logprob is not None:
             self._add_logprobs(comp, token)
         stop = None
-        stopped_by_token = update.finished and req.status == RequestStatus.FINISHED_STOPPED
+        stopped_by_token = update.finish_reason == "stop"
         if comp.detokenizer is not None and not (
                 stopped_by_token and not state.params.include_stop_str_in_output):
             stop = comp.detokenizer.update([token.token_id])
         if stop is not None:
             comp.finish_reason, comp.stop_reason = "stop", stop
         elif update.finished:
-            comp.finish_reason, comp.stop_reason = req.finish_reason.value, req.stop_reason
+            comp.finish_reason, comp.stop_reason = update.finish_reason, update.stop_reason
         if comp.finish_reason is not None:
-            stats.finished.append(self._finished_stats(state, comp, req, now))
+            stats.finished.append(self._finished_stats(state, comp, update, now))
         return stop
 
-    def _add_logprobs(self, comp: _Completion, token: Any) -> None:
+    def _add_logprobs(self, comp: _Completion, token: SampledToken) -> None:
         comp.logprobs.append(self._logprob_entry(comp, token))
         comp.cumulative_logprob += token.logprob
 
     @staticmethod
-    def _logprob_entry(comp: _Completion, token: Any) -> dict[int, Logprob]:
+    def _logprob_entry(comp: _Completion, token: SampledToken) -> dict[int, Logprob]:
         """The scored token first, then the top-k (vLLM's dict order and ranks)."""
         decode = comp.detokenizer.decode_token if comp.detokenizer else (lambda t: None)
         entry = {token.token_id: Logprob(token.logprob, token.rank, decode(token.token_id))}
@@ -149,10 +148,10 @@ class OutputProcessor:
             entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
         return entry
 
-    def _finished_stats(self, state: _RequestState, comp: _Completion, req: Any,
+    def _finished_stats(self, state: _RequestState, comp: _Completion, update: RequestUpdate,
                         now: float) -> FinishedRequestStats:
         wall_now = time.time()
-        scheduled = req.first_scheduled_time or wall_now
+        scheduled = update.first_scheduled_time or wall_now
         first = comp.first_token_time or now
         return FinishedRequestStats(
             finish_reason=comp.finish_reason or "abort",

@@ -50,8 +50,14 @@ class RankArguments:
 def send_arguments(proc: subprocess.Popen, args: RankArguments) -> None:
     """Write the arguments to the worker's stdin, and keep the pipe open: it is the worker's
     lifeline."""
+    send_message(proc, args)
+
+
+def send_message(proc: subprocess.Popen, message: object) -> None:
+    """Write one length-prefixed pickle to a child's stdin (also the engine core process's
+    start-up arguments); the pipe stays open as the child's lifeline."""
     assert proc.stdin is not None
-    payload = pickle.dumps(args)
+    payload = pickle.dumps(message)
     proc.stdin.write(_HEADER.pack(len(payload)) + payload)
     proc.stdin.flush()
 
@@ -76,7 +82,7 @@ def run_rank(args: RankArguments) -> None:
     platform = resolve_platform(args.config.platform_name)
     platform.device(args.local_rank)
     tp = init_parallel_group(platform.dist_backend, args.rank, args.rdzv)
-    worker = Worker(args.config, tp, args.local_rank)
+    worker = Worker(args.config, platform, tp, args.local_rank)
     worker.load_model()
     worker.init_cache(agree_on_plan(worker, tp))
     worker.warm_up()
@@ -92,6 +98,7 @@ class DriverLink:
 
     fd: int
     parent: int
+    role: str = "Tensor-parallel worker"
 
     def gone(self, wait_s: float = 0.0) -> bool:
         readable, _, _ = select.select([self.fd], [], [], wait_s)
@@ -100,7 +107,7 @@ class DriverLink:
         return os.getppid() != self.parent
 
     def exit(self) -> None:
-        logger.error("Tensor-parallel worker %d: its driver process (pid %d) is gone; exiting",
+        logger.error("%s %d: its driver process (pid %d) is gone; exiting", self.role,
                      os.getpid(), self.parent)
         sys.stderr.flush()
         os._exit(1)
@@ -116,7 +123,7 @@ class DriverLink:
         threading.Thread(target=watch, daemon=True, name="qwenserve-driver-watch").start()
 
 
-def _read_message(fd: int) -> bytes | None:
+def read_message(fd: int) -> bytes | None:
     """The driver's pickled arguments, or None when the pipe closed first (driver gone)."""
     header = _read_exactly(fd, _HEADER.size)
     return None if header is None else _read_exactly(fd, _HEADER.unpack(header)[0])
@@ -135,7 +142,7 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
 
 def main() -> None:
     stdin = 0
-    payload = _read_message(stdin)  # at once: the driver writes it right after spawning
+    payload = read_message(stdin)  # at once: the driver writes it right after spawning
     if payload is None:
         raise SystemExit(1)
     driver = DriverLink(stdin, os.getppid())

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from qwenserve.config import EngineArgs
+from qwenserve.engine.arg_utils import EngineArgs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,9 +18,14 @@ def load_chat_template(value: str | None) -> str | None:
     if os.path.isfile(value):
         with open(value) as f:
             return f.read()
-    if any(c in value for c in "{}\n") or not value.endswith((".jinja", ".j2", ".txt")):
+    if any(c in value for c in "{}\n"):
         return value
-    raise ValueError(f"--chat-template {value}: no such file")
+    # vLLM's rule: text with no Jinja characters is a path, and a missing one is an error
+    # (rather than a template that prints the path).
+    raise ValueError(
+        f"--chat-template {value}: no such file (and not a template: it has no '{{', '}}' "
+        "or newline); give an existing file or the template text"
+    )
 
 
 def apply_chat_template(

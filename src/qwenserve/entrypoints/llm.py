@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from qwenserve.config import EngineArgs
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.outputs import RequestOutput
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams

@@ -12,6 +12,8 @@ are per-output-channel scales of the head).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,6 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.weight_scale: nn.Parameter | None = None  # [V/tp, 1] float32 once int8
         self.int8_matmul = None
-        self.float_linear = F.linear  # the LM head's float GEMM (a platform may supply one)
 
     def use_int8(self, weight_q: torch.Tensor, scale: torch.Tensor, matmul) -> None:
         """Replace the float table by int8 rows [V/tp, H] and their scales [V/tp, 1]."""
@@ -65,8 +66,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; ``tie_to`` shares the embedding table (tied embeddings)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 tp: ParallelGroup = SINGLE, tie_to: VocabParallelEmbedding | None = None):
+                 tp: ParallelGroup = SINGLE, tie_to: VocabParallelEmbedding | None = None,
+                 float_linear: Callable[..., torch.Tensor] = F.linear):
         super().__init__(vocab_size, hidden_size, dtype, tp)
+        self.float_linear = float_linear  # the platform's float GEMM (``Backends.float_linear``)
         if tie_to is not None:
             self.weight = tie_to.weight
 

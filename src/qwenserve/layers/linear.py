@@ -33,7 +33,7 @@ class LinearMethod(Protocol):
 
 class UnquantizedLinearMethod:
     def __init__(self, linear: Callable[..., torch.Tensor] = F.linear) -> None:
-        self.linear = linear  # the platform may supply a faster GEMM (use_float_linear)
+        self.linear = linear  # the platform's float GEMM (``Backends.float_linear``)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        dtype: torch.dtype) -> None:
@@ -45,21 +45,6 @@ class UnquantizedLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         return self.linear(x, layer.weight, bias)
-
-
-def use_float_linear(model: nn.Module, linear: Callable[..., torch.Tensor]) -> int:
-    """Route the float (unquantized) linear layers and LM heads of a loaded model through
-    ``linear``; returns how many modules were switched."""
-    switched = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedLinearMethod) and module.weight.is_contiguous():
-            module.quant_method = UnquantizedLinearMethod(linear)
-            switched += 1
-        elif hasattr(module, "float_linear") and module.weight.is_contiguous():
-            module.float_linear = linear
-            switched += 1
-    return switched
 
 
 def set_dims(param: nn.Parameter, output_dim: int | None, input_dim: int | None) -> None:

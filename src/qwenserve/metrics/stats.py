@@ -1,4 +1,7 @@
-"""Plain statistics the engine produces each step; loggers (log line, Prometheus) consume them."""
+"""Plain statistics the engine produces each step; loggers (log line, Prometheus) consume them.
+
+Plain data with no imports: the scheduler (``core/``) fills ``SchedulerStats`` itself.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ class IterationStats:
 
 
 @dataclass
-class EngineStats:
-    """Scheduler gauges and cumulative counters at the end of a step."""
+class SchedulerStats:
+    """Scheduler gauges and cumulative counters at the end of a step (``Scheduler.stats()``)."""
 
     num_running: int
     num_waiting: int
@@ -40,4 +43,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    """What the stat loggers receive each step: the scheduler's figures and the step's."""
+
     iteration: IterationStats

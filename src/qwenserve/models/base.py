@@ -1,34 +1,48 @@
 """What every model provides, and the shared weight-loading loop.
 
 A model is built from a ``ModelContext`` (config, dtype, parallel group, backends) and exposes
-``forward(input_ids, positions, batch, caches) -> hidden``, ``compute_logits(hidden)``,
+``forward(input_ids, positions, batch, caches: ModelCaches) -> hidden``, ``compute_logits(hidden)``,
 ``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
+from qwenserve.layers.backends import Backends
+from qwenserve.layers.linear import LinearMethod, UnquantizedLinearMethod
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from qwenserve.quantization.quant_config import QuantConfig
 
 logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
 class ModelContext:
-    hf_config: Any
+    """Everything a model needs to build its layers (the worker makes one per rank)."""
+
+    hf_config: PretrainedConfig
     dtype: torch.dtype
     max_model_len: int
     tp: ParallelGroup = SINGLE
-    attn_backend: Any = None
-    recurrent_backend: Any = None
-    quant: Any = None  # quantization method factory: quant.linear_method(prefix) -> LinearMethod
+    backends: Backends = field(default_factory=Backends.reference)  # the platform's kernels
+    quant: QuantConfig | None = None  # quantized checkpoints: a linear method per layer
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """How the linear layer at ``prefix`` computes: the quantization's method for it, else
+        the platform's float GEMM."""
+        method = self.quant.linear_method(prefix) if self.quant is not None else None
+        return method or UnquantizedLinearMethod(self.backends.float_linear)
 
 
 def config_head_dim(hf_config: Any) -> int:

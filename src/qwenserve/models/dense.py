@@ -18,7 +18,9 @@ from torch import nn
 
 from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec
 from qwenserve.layers.activation import silu_and_mul
+from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from qwenserve.layers.norm import RMSNorm
 from qwenserve.layers.rotary import RotaryEmbedding
@@ -29,7 +31,6 @@ from qwenserve.models.base import (
     kv_heads_per_rank,
     load_named_weights,
 )
-from qwenserve.worker.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,6 @@ class DenseSwitches:
     qk_norm: bool = False
 
 
-def linear_method(ctx: ModelContext, prefix: str) -> Any:
-    return ctx.quant.linear_method(prefix) if ctx.quant is not None else None
-
-
 class Attention(nn.Module):
     def __init__(self, ctx: ModelContext, switches: DenseSwitches, prefix: str) -> None:
         super().__init__()
@@ -54,17 +51,17 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
             bias=switches.qkv_bias, dtype=ctx.dtype, tp=ctx.tp,
-            quant_method=linear_method(ctx, f"{prefix}.qkv_proj"))
+            quant_method=ctx.linear_method(f"{prefix}.qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=switches.o_bias,
-            dtype=ctx.dtype, tp=ctx.tp, quant_method=linear_method(ctx, f"{prefix}.o_proj"))
+            dtype=ctx.dtype, tp=ctx.tp, quant_method=ctx.linear_method(f"{prefix}.o_proj"))
         if switches.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
         self.qk_norm = switches.qk_norm
         self.scale = self.head_dim**-0.5
-        self.backend = ctx.attn_backend
+        self.backend = ctx.backends.attention
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                 kv_cache: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -87,10 +84,10 @@ class MLP(nn.Module):
         hidden = ctx.hf_config.hidden_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [intermediate_size] * 2, bias=bias, dtype=ctx.dtype, tp=ctx.tp,
-            quant_method=linear_method(ctx, f"{prefix}.gate_up_proj"))
+            quant_method=ctx.linear_method(f"{prefix}.gate_up_proj"))
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden, bias=bias, dtype=ctx.dtype, tp=ctx.tp,
-            quant_method=linear_method(ctx, f"{prefix}.down_proj"))
+            quant_method=ctx.linear_method(f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -129,10 +126,10 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg, head_dim, head_dim, ctx.max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                caches: list[Any]) -> torch.Tensor:
+                caches: ModelCaches) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer(positions, x, residual, batch, cache, self.rotary)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, batch, caches.kv[i], self.rotary)
         x, _ = self.norm(x, residual)
         return x
 
@@ -152,7 +149,8 @@ class DenseForCausalLM(nn.Module):
             ctx, lambda i: DecoderLayer(ctx, switches, f"model.layers.{i}"))
         self.lm_head = ParallelLMHead(ctx.hf_config.vocab_size, ctx.hf_config.hidden_size,
                                       ctx.dtype, ctx.tp,
-                                      tie_to=self.model.embed_tokens if self.tie else None)
+                                      tie_to=self.model.embed_tokens if self.tie else None,
+                                      float_linear=ctx.backends.float_linear)
 
     @classmethod
     def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int) -> list[CacheSpec]:
@@ -164,7 +162,7 @@ class DenseForCausalLM(nn.Module):
         )]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                caches: list[Any]) -> torch.Tensor:
+                caches: ModelCaches) -> torch.Tensor:
         return self.model(input_ids, positions, batch, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from qwenserve.models.source import ModelSource
+from qwenserve.config import ModelSource
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -1,16 +1,23 @@
-"""ModelConfig: what the engine needs to know about a model, read from config.json or GGUF."""
+"""What a model's files say (config.json or GGUF, generation_config.json), and the dtype and
+length resolved from them and the flags; ``engine/arg_utils.py`` builds ``ModelConfig`` from it."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve import envs
+from qwenserve.config import ModelSource
 from qwenserve.logger import init_logger
 from qwenserve.models import registry
-from qwenserve.models.source import ModelSource, read_config_json, resolve_source
+from qwenserve.models.source import read_config_json
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
 
@@ -19,61 +26,29 @@ _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    source: ModelSource
-    architecture: str
-    hf_config: Any = field(repr=False)  # transformers text config (attributes as in config.json)
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    max_model_len: int
-    tokenizer: str  # folder or hub id
+class ModelFiles:
+    """What a model's files say (``config.ModelConfig`` is built from it with the user's flags)."""
+
+    hf_config: PretrainedConfig = field(repr=False)
     eos_token_ids: tuple[int, ...]
-    generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
-    quantization: str | None = None
-    quant_config: dict | None = field(default=None, repr=False)
-
-    @property
-    def name(self) -> str:
-        return self.source.name
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+    checkpoint_dtype: str
+    generation_defaults: dict[str, object]
 
 
-def resolve_model_config(args: Any, platform: Any) -> ModelConfig:
-    """Build the ModelConfig for ``args`` (EngineArgs) on ``platform``."""
-    source = resolve_source(args.model, args.revision, args.download_dir)
+def read_model_files(source: ModelSource, generation_config: str) -> ModelFiles:
+    """config.json (or the GGUF metadata) and generation_config.json of ``source``."""
     if source.is_gguf:
         from qwenserve.models.gguf_loader import read_gguf_config
 
         hf_config, eos_ids = read_gguf_config(source.gguf_file)
-        ckpt_dtype, generation = "bfloat16", {}
-    else:
-        hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder)
-        generation = _read_generation_config(source.folder, args.generation_config)
-        eos_ids = _merge_ids(eos_ids, generation.pop("eos_token_id", None))
-    from qwenserve.quantization import resolve_quantization
-
-    quant_method, quant_config = resolve_quantization(hf_config, args.quantization)
-    return ModelConfig(
-        source=source,
-        architecture=registry.resolve_architecture(getattr(hf_config, "architectures", None)),
-        hf_config=hf_config,
-        dtype=resolve_dtype(args.dtype, ckpt_dtype, platform),
-        max_model_len=resolve_max_model_len(args.max_model_len, hf_config),
-        tokenizer=args.tokenizer or source.folder,
-        eos_token_ids=eos_ids,
-        generation_defaults=generation,
-        quantization=quant_method,
-        quant_config=quant_config,
-    )
+        return ModelFiles(hf_config, eos_ids, "bfloat16", {})
+    hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder)
+    generation = _read_generation_config(source.folder, generation_config)
+    eos_ids = _merge_ids(eos_ids, generation.pop("eos_token_id", None))
+    return ModelFiles(hf_config, eos_ids, ckpt_dtype, generation)
 
 
-def read_hf_config(folder: str) -> tuple[Any, tuple[int, ...], str]:
+def read_hf_config(folder: str) -> tuple[PretrainedConfig, tuple[int, ...], str]:
     raw = read_config_json(folder)
     # Check the architecture before transformers parses anything: the error lists what works.
     registry.resolve_architecture(raw.get("architectures"))
@@ -117,7 +92,7 @@ def _merge_ids(ids: tuple[int, ...], extra: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*ids, *(int(i) for i in extra_list)]))
 
 
-def resolve_dtype(requested: str, ckpt_dtype: str, platform: Any) -> str:
+def resolve_dtype(requested: str, ckpt_dtype: str, platform: Platform) -> str:
     requested = _DTYPE_ALIASES.get(requested, requested)
     if requested != "auto":
         if requested == "float16" and not platform.is_accelerator:
@@ -131,7 +106,7 @@ def resolve_dtype(requested: str, ckpt_dtype: str, platform: Any) -> str:
     return "float32" if ckpt_dtype == "float32" else "bfloat16"
 
 
-def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
     derived = getattr(hf_config, "max_position_embeddings", None) or 4096
     if requested is None:
         return int(derived)

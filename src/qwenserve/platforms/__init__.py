@@ -1,11 +1,18 @@
-"""Platform resolution: ``QWENSERVE_PLATFORM`` override, else detection npu > cuda > cpu."""
+"""Platform resolution: ``QWENSERVE_PLATFORM`` override, else detection npu > cuda > cpu.
+
+Each process resolves its platform once, where it starts (``LLMEngine.from_engine_args``, a
+tensor-parallel rank process), and passes the object down; nothing looks it up globally.
+"""
 
 from __future__ import annotations
 
-import functools
 import importlib
+from typing import TYPE_CHECKING
 
 from qwenserve import envs
+
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
 
 _PLATFORMS = {
     "npu": ("qwenserve.platforms.npu", "NpuPlatform"),
@@ -14,14 +21,13 @@ _PLATFORMS = {
 }
 
 
-def _load(name: str):
+def _load(name: str) -> type[Platform]:
     module_name, class_name = _PLATFORMS[name]
     return getattr(importlib.import_module(module_name), class_name)
 
 
-@functools.cache
-def resolve_platform(name: str | None = None):
-    """The platform object for ``name``, or the detected one; resolved once per process."""
+def resolve_platform(name: str | None = None) -> Platform:
+    """The platform object for ``name``, or the detected one (call once, at an entry point)."""
     name = name or envs.platform_override()
     if name is not None:
         if name not in _PLATFORMS:
@@ -33,7 +39,3 @@ def resolve_platform(name: str | None = None):
         if cls.is_available():
             return cls()
     raise AssertionError("the CPU platform is always available")
-
-
-def current_platform():
-    return resolve_platform(None)

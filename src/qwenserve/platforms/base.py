@@ -18,7 +18,8 @@ class Platform(ABC):
     device_type: ClassVar[str]  # torch device string
     dist_backend: ClassVar[str]  # torch.distributed backend for tensor collectives
     visible_devices_env: ClassVar[str] = ""
-    default_attention_backend: ClassVar[str] = "torch_ref"
+    default_attention_backend: ClassVar[str] = "torch_ref"  # layers/attention/__init__.py
+    default_recurrent_backend: ClassVar[str] = "torch_ref"  # layers/recurrent/__init__.py
     default_block_size: ClassVar[int] = 16
     supported_block_sizes: ClassVar[tuple[int, ...]] = (1, 8, 16, 32, 64, 128, 256)
 

@@ -7,14 +7,17 @@ weight is read); ``build_quant_method`` when a worker builds its model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve.logger import init_logger
 from qwenserve.quantization import schemes
 
-logger = init_logger(__name__)
+if TYPE_CHECKING:
+    from qwenserve.config import ModelConfig
+    from qwenserve.quantization.kernels import Int8Matmul
+    from qwenserve.quantization.quant_config import QuantConfig
 
-METHODS = ("compressed-tensors", "ascend", "int8")
+logger = init_logger(__name__)
 
 
 def resolve_quantization(hf_config: Any, requested: str | None) -> tuple[str | None, dict | None]:
@@ -27,27 +30,28 @@ def resolve_quantization(hf_config: Any, requested: str | None) -> tuple[str | N
     return schemes.resolve(hf_config, requested)
 
 
-def build_quant_method(model_config: Any, platform: Any | None = None) -> Any:
-    """The ``ModelContext.quant`` object for ``model_config.quantization`` on ``platform``
-    (default: the current one): ``linear_method(prefix)`` and ``process_weights_after_loading``.
+def build_quant_method(model_config: ModelConfig, matmul: Int8Matmul) -> QuantConfig:
+    """The ``ModelContext.quant`` object for ``model_config.quantization``, running ``matmul``
+    (the platform's int8 GEMM): ``linear_method(prefix)`` and ``process_weights_after_loading``.
     """
-    from qwenserve.platforms import current_platform
     from qwenserve.quantization.quant_config import (
         CompressedTensorsConfig,
         LoadTimeInt8Config,
         ModelSlimConfig,
     )
 
-    platform = platform or current_platform()
     method, config = model_config.quantization, model_config.quant_config or {}
+    quant: QuantConfig
     if method == "compressed-tensors":
-        quant = CompressedTensorsConfig(config, platform)
+        quant = CompressedTensorsConfig(config, matmul)
     elif method == "ascend":
-        quant = ModelSlimConfig(config["description"], platform)
+        quant = ModelSlimConfig(config["description"], matmul)
     elif method == "int8":
-        quant = LoadTimeInt8Config(platform)
+        quant = LoadTimeInt8Config(matmul)
     else:
-        raise ValueError(f"unknown quantization method {method!r}; qwenserve runs {METHODS}")
+        raise ValueError(f"unknown quantization method {method!r}; qwenserve runs "
+                         f"{', '.join(schemes.METHODS)}")
     logger.info("Quantization %s: INT8 weights, int8 GEMM through the %s platform "
-                "(dequantized on the fly where it has none)", quant.name, platform.name)
+                "(dequantized on the fly where it has none)", quant.name,
+                matmul.platform.name if matmul.platform is not None else "no")
     return quant

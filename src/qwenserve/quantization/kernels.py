@@ -10,9 +10,12 @@ Symmetric int8 here means x ~= x_q * scale with x_q in [-128, 127] and scale = a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
 
 _TINY = 1e-10  # scale floor: all-zero rows quantize to zeros instead of dividing by zero
 _ROUNDER = 1.5 * 2**23  # v + R - R rounds half to even in float32 for |v| < 2**22
@@ -67,7 +70,7 @@ def int8_mm_reference(a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
 class Int8Matmul:
     """The int8 GEMM of one platform, with the dequantizing fallback."""
 
-    def __init__(self, platform: Any | None) -> None:
+    def __init__(self, platform: Platform | None) -> None:
         self.platform = platform
 
     def __call__(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,

@@ -7,10 +7,9 @@ with ``schemes.shard_names``. None means the layer stays float.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
+from qwenserve.layers.linear import LinearMethod
 from qwenserve.quantization import schemes
 from qwenserve.quantization.kernels import Int8Matmul
 from qwenserve.quantization.methods import AscendW8A8StaticMethod, Int8LinearMethod
@@ -19,10 +18,10 @@ from qwenserve.quantization.methods import AscendW8A8StaticMethod, Int8LinearMet
 class QuantConfig:
     name = ""
 
-    def __init__(self, platform: Any | None) -> None:
-        self.matmul = Int8Matmul(platform)
+    def __init__(self, matmul: Int8Matmul) -> None:
+        self.matmul = matmul  # the platform's int8 GEMM (``Backends.int8_mm``)
 
-    def linear_method(self, prefix: str) -> Any | None:
+    def linear_method(self, prefix: str) -> LinearMethod | None:
         raise NotImplementedError
 
     def process_weights_after_loading(self, model: nn.Module) -> None:
@@ -38,11 +37,11 @@ class CompressedTensorsConfig(QuantConfig):
 
     name = "compressed-tensors"
 
-    def __init__(self, config: dict, platform: Any | None) -> None:
-        super().__init__(platform)
+    def __init__(self, config: dict, matmul: Int8Matmul) -> None:
+        super().__init__(matmul)
         self.config = config
 
-    def linear_method(self, prefix: str) -> Any | None:
+    def linear_method(self, prefix: str) -> LinearMethod | None:
         shards = schemes.shard_names(prefix)
         quantized = [schemes.ct_scheme_for(name, self.config) is not None for name in shards]
         if not any(quantized):
@@ -58,11 +57,11 @@ class ModelSlimConfig(QuantConfig):
 
     name = "ascend"
 
-    def __init__(self, description: dict, platform: Any | None) -> None:
-        super().__init__(platform)
+    def __init__(self, description: dict, matmul: Int8Matmul) -> None:
+        super().__init__(matmul)
         self.description = description
 
-    def linear_method(self, prefix: str) -> Any | None:
+    def linear_method(self, prefix: str) -> LinearMethod | None:
         quant_type = schemes.modelslim_type_for(prefix, self.description)
         if quant_type == "W8A8":
             return AscendW8A8StaticMethod(self.matmul)
@@ -78,7 +77,7 @@ class LoadTimeInt8Config(QuantConfig):
 
     name = "int8"
 
-    def linear_method(self, prefix: str) -> Any | None:
+    def linear_method(self, prefix: str) -> LinearMethod | None:
         return Int8LinearMethod(self.matmul, quantize_on_load=True)
 
     def process_weights_after_loading(self, model: nn.Module) -> None:

@@ -15,6 +15,10 @@ import os
 import re
 from typing import Any
 
+# The one list of methods: what ``ModelConfig.quantization`` may hold, and the ``--quantization``
+# choices (``w8a8``: whichever INT8 W8A8 format the checkpoint has).
+METHODS = ("compressed-tensors", "ascend", "int8")
+FLAG_CHOICES = (*METHODS, "w8a8")
 MODELSLIM_DESCRIPTION = "quant_model_description.json"
 CT_FORMATS = ("int-quantized", "naive-quantized")  # both store int8 weights for 8-bit ints
 MODELSLIM_LINEAR_TYPES = ("W8A8", "W8A8_DYNAMIC")

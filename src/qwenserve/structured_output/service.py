@@ -73,7 +73,7 @@ def model_grammar_service(model_config: Any, tokenizer: Any | None = None) -> Gr
     stop_ids = list(model_config.eos_token_ids)
     ident = (key, int(model_config.vocab_size), tuple(sorted(stop_ids)))
     if tokenizer is None and ident not in _SERVICES:
-        from qwenserve.tokenizer import load_tokenizer
+        from qwenserve.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_config)
     return grammar_service(tokenizer, int(model_config.vocab_size), stop_ids, key)

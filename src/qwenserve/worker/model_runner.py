@@ -13,9 +13,11 @@ import torch
 
 from qwenserve.core.sched_output import ModelOutput, ScheduledChunk, SchedulerOutput
 from qwenserve.layers.attention.base import ChunkLayout
+from qwenserve.layers.backends import Backends
+from qwenserve.layers.caches import ModelCaches
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars
-from qwenserve.worker.forward_batch import ForwardBatch
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
@@ -44,13 +46,14 @@ class PromptScoring:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, caches: list[Any], attn_backend: Any, block_size: int,
+    def __init__(self, model: Any, caches: ModelCaches, backends: Backends, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
-                 recurrent_backend: Any = None, grammars: RequestGrammars | None = None) -> None:
+                 has_state: bool = False, grammars: RequestGrammars | None = None) -> None:
         self.model = model
         self.caches = caches
-        self.attn_backend = attn_backend
-        self.recurrent_backend = recurrent_backend
+        self.attn_backend = backends.attention
+        # Models with Gated DeltaNet layers get the recurrent kernels' metadata each step.
+        self.recurrent_backend = backends.recurrent if has_state else None
         self.block_size = block_size
         self.device = device
         self.is_driver = is_driver
@@ -120,10 +123,7 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.caches:
-            if isinstance(cache, tuple):  # (conv_state, ssm_state) [num_slots, ...] each
-                for state in cache:
-                    state.index_copy_(0, dst, state.index_select(0, src))
+        self.caches.copy_states(src, dst)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         input_ids: list[int] = []

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from qwenserve.core.cache.spec import PagedKVSpec
 from qwenserve.core.sched_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.worker.caches import allocate_caches
 from qwenserve.worker.model_runner import ModelRunner
 
 
@@ -19,23 +17,14 @@ def profile_peak_bytes(worker: Any) -> int:
     num_tokens = min(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_model_len)
     block_size = cfg.cache.block_size
     num_blocks = -(-num_tokens // block_size)
-    caches: list[Any] = [None] * cfg.model.num_hidden_layers
-    for spec in worker.specs:
-        if isinstance(spec, PagedKVSpec):
-            for layer_id in spec.layer_ids:
-                caches[layer_id] = torch.zeros(2, num_blocks * block_size, spec.num_kv_heads,
-                                               spec.head_dim, dtype=worker.dtype,
-                                               device=worker.device)
-        else:
-            for layer_id, state in zip(spec.layer_ids,
-                                       worker.model.allocate_state(2, worker.device)):
-                caches[layer_id] = state
+    caches = allocate_caches(worker.specs, worker.model, num_blocks, block_size, 2,
+                             worker.dtype, worker.device, zeroed=True)
     platform = worker.platform
     platform.synchronize(worker.device)
     platform.reset_peak_memory_stats(worker.device)
     before = platform.max_memory_allocated(worker.device)
-    runner = ModelRunner(worker.model, caches, worker.attn_backend, block_size, worker.device,
-                         worker.tp.is_driver, 0, getattr(worker.model, "recurrent_backend", None))
+    runner = ModelRunner(worker.model, caches, worker.backends, block_size, worker.device,
+                         worker.tp.is_driver, 0, worker.has_state)
     tokens = [0] * num_tokens
     runner.execute(SchedulerOutput(
         new_requests=[NewRequestData("profile", tokens, [], SamplingParams(max_tokens=1),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,17 +24,20 @@ from qwenserve.core.sched_output import (
     SchedulerOutput,
 )
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
-from qwenserve.layers.attention import get_attention_backend
-from qwenserve.layers.linear import use_float_linear
+from qwenserve.layers.backends import Backends
 from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
 from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
-from qwenserve.platforms import resolve_platform
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
+from qwenserve.worker.caches import allocate_caches
 from qwenserve.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
+    from qwenserve.quantization.quant_config import QuantConfig
 
 logger = init_logger(__name__)
 
@@ -42,15 +45,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, tp: ParallelGroup = SINGLE, local_rank: int = 0):
+    def __init__(self, config: EngineConfig, platform: Platform, tp: ParallelGroup = SINGLE,
+                 local_rank: int = 0):
         self.config = config
         self.tp = tp
-        self.platform = resolve_platform(config.platform_name)
+        self.platform = platform
         self.platform.configure_process()
         self.device = self.platform.device(local_rank)
         self.dtype = _DTYPES[config.model.dtype]
         self.model_cls = load_model_class(config.model.architecture)
-        self.attn_backend = get_attention_backend(self.platform.default_attention_backend)
+        self.backends = Backends.for_platform(platform)  # the kernels, chosen once
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
                                                 self.dtype.itemsize)
         self.model: Any = None
@@ -64,7 +68,7 @@ class Worker:
         mc = self.config.model
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
                            max_model_len=mc.max_model_len, tp=self.tp,
-                           attn_backend=self.attn_backend, quant=self._quant())
+                           backends=self.backends, quant=self._quant())
         try:
             with torch.device(self.device):
                 model = self.model_cls(ctx)
@@ -72,8 +76,6 @@ class Worker:
                                mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
                 ctx.quant.process_weights_after_loading(model)
-            if (linear := self.platform.float_linear()) is not None:
-                use_float_linear(model, linear)
         except torch.OutOfMemoryError as e:
             raise MemoryError(
                 f"Not enough device memory to load the weights of {mc.name} in {mc.dtype} on "
@@ -83,12 +85,12 @@ class Worker:
         self.model = model.eval()
         self.load_s = time.perf_counter() - start
 
-    def _quant(self) -> Any:
+    def _quant(self) -> QuantConfig | None:
         if self.config.model.quantization is None:
             return None
         from qwenserve.quantization import build_quant_method
 
-        return build_quant_method(self.config.model)
+        return build_quant_method(self.config.model, self.backends.int8_mm)
 
     def weight_bytes(self) -> int:
         seen, total = set(), 0
@@ -145,28 +147,21 @@ class Worker:
 
     def init_cache(self, plan: CachePlan) -> None:
         self.plan = plan
-        num_slots = plan.num_blocks * plan.block_size
-        caches: list[Any] = [None] * self.config.model.num_hidden_layers
-        for spec in self.specs:
-            if isinstance(spec, PagedKVSpec):
-                for layer_id in spec.layer_ids:
-                    # Left uninitialised (zeroing GiBs costs seconds at start-up): attention
-                    # reads only written slots, block 0 (zeroed: padding reads it) and the tail
-                    # of a context's last block, which the backend zeroes after its gather.
-                    kv = torch.empty(2, num_slots, spec.num_kv_heads, spec.head_dim,
-                                     dtype=self.dtype, device=self.device)  # [K|V, slots, Hkv, D]
-                    kv[:, : plan.block_size].zero_()
-                    caches[layer_id] = kv
-            else:
-                for layer_id, state in zip(spec.layer_ids, self.model.allocate_state(
-                        plan.num_state_slots, self.device)):
-                    caches[layer_id] = state
-        recurrent = getattr(self.model, "recurrent_backend", None)
+        # KV left uninitialised (zeroing GiBs costs seconds at start-up): attention reads only
+        # written slots, block 0 (zeroed: padding reads it) and the tail of a context's last
+        # block, which the backend zeroes after its gather.
+        caches = allocate_caches(self.specs, self.model, plan.num_blocks, plan.block_size,
+                                 plan.num_state_slots, self.dtype, self.device, zeroed=False)
         grammars = RequestGrammars(partial(model_grammar_service, self.config.model)) \
             if self.tp.is_driver else None
-        self.runner = ModelRunner(self.model, caches, self.attn_backend, plan.block_size,
-                                  self.device, self.tp.is_driver, self.config.seed, recurrent,
-                                  grammars)
+        self.runner = ModelRunner(self.model, caches, self.backends, plan.block_size,
+                                  self.device, self.tp.is_driver, self.config.seed,
+                                  self.has_state, grammars)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the model has recurrent-state layers (the runner builds their metadata)."""
+        return any(isinstance(s, RecurrentStateSpec) for s in self.specs)
 
     def warm_up(self) -> None:
         """Run one small prefill and one decode so the first request does not pay for kernel

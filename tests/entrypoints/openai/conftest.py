@@ -56,6 +56,7 @@ def server(tiny_model_path, tmp_path_factory) -> RemoteServer:
         ],
         log,
         api_key=API_KEY,
+        env={"QWENSERVE_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
     )
     yield srv
     srv.stop()

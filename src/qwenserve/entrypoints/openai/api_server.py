@@ -17,6 +17,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from qwenserve import envs
@@ -47,7 +48,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def build_engine_args(args: argparse.Namespace) -> Any:
-    from qwenserve.config import EngineArgs
+    from qwenserve.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag or args.model
@@ -112,10 +113,10 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         state.max_model_len,
         show_hidden=args.show_hidden_metrics_for_version is not None,
     )
-    plan = engine.engine.plan
+    plan = engine.plan
     prom.log_cache_config(
         config.cache.block_size,
-        engine.engine.cache.enable_prefix_caching,
+        engine.enable_prefix_caching,
         config.cache.gpu_memory_utilization,
         plan.num_blocks,
         plan.kv_bytes,
@@ -125,7 +126,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> None:
-    config, plan = engine.config, engine.engine.plan
+    config, plan = engine.config, engine.plan
     mc = config.model
     logger.info(
         "Serving %s as %s: %s, dtype %s, on %s; max_model_len %d; KV cache %s tokens, maximum "
@@ -134,7 +135,7 @@ def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> 
         ", ".join(repr(n) for n in state.options.served_model_names),
         mc.architecture,
         mc.dtype,
-        engine.engine.executor.describe_device(),
+        engine.device_description,
         state.max_model_len,
         f"{plan.token_capacity:,}",
         plan.max_concurrency(state.max_model_len),
@@ -173,11 +174,11 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         app = _build_app(args, state, registry)
         _log_summary(state, engine, host, args.port, "https" if args.ssl_certfile else "http")
-        serve(app, sock, args, state)
+        engine_died = serve(app, sock, args, state)
     finally:
         logger.info("Shutting down the engine")
         engine.shutdown()
-    return 0
+    return 1 if engine_died else 0
 
 
 def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
@@ -198,6 +199,7 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
         cors=cors,
         echo_request_id=args.enable_request_id_headers,
         enable_docs=not args.disable_fastapi_docs,
+        dev_mode=envs.server_dev_mode(),
     )
     for route in app.routes:
         methods = ", ".join(sorted(getattr(route, "methods", None) or []))
@@ -205,7 +207,8 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
     return app
 
 
-def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> None:
+def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> bool:
+    """Serve until SIGTERM/SIGINT, or until the engine dies; True in the latter case."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -243,7 +246,31 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
     # that re-raise is a no-op and the process exits 0 after a clean drain.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    _Server(config).run(sockets=[sock])
+    server = _Server(config)
+    engine_died = watch_engine(state.engine, server)
+    server.run(sockets=[sock])
+    return engine_died.is_set()
+
+
+def watch_engine(engine: Any, server: Any) -> threading.Event:
+    """When the engine dies, stop serving so that the process exits 1 and a supervisor
+    (systemd ``Restart=on-failure``, Kubernetes) restarts it, as vLLM does; with
+    ``QWENSERVE_KEEP_ALIVE_ON_ENGINE_DEATH=1`` keep answering (``/health`` 503) instead."""
+    died = threading.Event()
+    keep_alive = envs.keep_alive_on_engine_death()
+
+    def on_dead(error: BaseException) -> None:
+        if keep_alive:
+            logger.error("The engine is dead (%s); the server stays up as "
+                         "QWENSERVE_KEEP_ALIVE_ON_ENGINE_DEATH is set, and /health answers 503",
+                         error)
+            return
+        logger.error("The engine is dead (%s); shutting the server down", error)
+        died.set()
+        server.should_exit = True
+
+    engine.add_dead_callback(on_dead)
+    return died
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,9 @@ from qwenserve.entrypoints.openai.streaming import (
 from qwenserve.entrypoints.openai.structured import check_grammar
 
 router = APIRouter()
+# Routes that change server state for benchmarks and debugging: only with
+# QWENSERVE_SERVER_DEV_MODE=1 (or vLLM's VLLM_SERVER_DEV_MODE=1), as vLLM does.
+dev_router = APIRouter()
 # vLLM's defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
 _DEFAULT_CORS = {
     "allow_origins": ["*"],
@@ -104,15 +107,17 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
 async def tokenize(
     body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request
 ) -> dict[str, Any]:
-    return serving_models.tokenize(_state(request), body)
+    state = _state(request)
+    return await state.offload(serving_models.tokenize, state, body)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    return serving_models.detokenize(_state(request), body)
+    state = _state(request)
+    return await state.offload(serving_models.detokenize, state, body)
 
 
-@router.post("/reset_prefix_cache")
+@dev_router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
     """Drop cached prefixes (benchmarks use it between runs); blocks in use stay."""
     if not await _state(request).engine.reset_prefix_cache():
@@ -124,7 +129,9 @@ async def reset_prefix_cache(request: Request) -> Response:
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
     _warn_ignored(body)
-    job = serving_completion.prepare_completion(state, body, request.headers.get("x-request-id"))
+    job = await state.offload(
+        serving_completion.prepare_completion, state, body, request.headers.get("x-request-id")
+    )
     await check_grammar(state, [p.params for p in job.prompts], job.constraint_source)
     if not body.stream:
         result = await cancel_on_disconnect(request, serving_completion.complete(state, job))
@@ -142,7 +149,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
     _warn_ignored(body)
-    job = serving_chat.prepare_chat(state, body, request.headers.get("x-request-id"))
+    job = await state.offload(
+        serving_chat.prepare_chat, state, body, request.headers.get("x-request-id")
+    )
     await check_grammar(state, [job.params], job.constraint_source)
     agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text)
     if not body.stream:
@@ -229,6 +238,7 @@ def build_app(
     cors: dict[str, Any] | None = None,
     echo_request_id: bool = False,
     enable_docs: bool = True,
+    dev_mode: bool = False,
 ) -> FastAPI:
     app = FastAPI(
         title="qwenserve",
@@ -239,6 +249,8 @@ def build_app(
     app.state.server = state
     app.state.registry = registry
     app.include_router(router)
+    if dev_mode:
+        app.include_router(dev_router)
     _install_error_handlers(app)
     # Starlette runs the last-added middleware first: body limit, then auth, then the rest.
     app.add_middleware(ServerStateMiddleware, state=state, echo_request_id=echo_request_id)

@@ -15,7 +15,7 @@ import textwrap
 import types
 from typing import Any
 
-from qwenserve.config import EngineArgs, human_readable_int
+from qwenserve.engine.arg_utils import EngineArgs, human_readable_int
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
 from qwenserve.structured_output.config import (
@@ -185,7 +185,12 @@ FRONTEND_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--root-path", {"help": "ASGI root_path behind a path-based proxy."}),
     (
         "--max-log-len",
-        {"type": int, "help": "Longest prompt text (characters) shown in request log lines."},
+        {
+            "type": int,
+            "default": 500,
+            "help": "Longest prompt text (characters) shown in request log lines (qwenserve's "
+            "default: 500; vLLM's logs whole prompts).",
+        },
     ),
     (
         "--max-request-body-bytes",

@@ -6,8 +6,9 @@ client disconnect still reaches the endpoint.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
-import secrets
 import uuid
 from typing import Any
 
@@ -38,6 +39,19 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+def route_path(scope: Scope) -> str:
+    """The path the router matches: uvicorn puts ``--root-path`` in front of ``scope["path"]``,
+    so every path decision (auth, drain) must look at the path without it, exactly as
+    Starlette's router strips it (same rule: only at a ``/`` boundary)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if len(path) == len(root):
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
@@ -45,24 +59,30 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def key_digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
 class AuthMiddleware:
-    """``Authorization: Bearer <key>`` on /v1 routes, compared in constant time per key."""
+    """``Authorization: Bearer <key>`` on /v1 routes. Keys are compared as SHA-256 digests in
+    constant time: equal lengths, so the time taken tells nothing about a key's length."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
-        self.keys = [k.encode() for k in api_keys]
+        self.digests = [key_digest(k.encode()) for k in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
             or scope.get("method") == "OPTIONS"
-            or not scope["path"].startswith(GUARDED_PREFIXES)
+            or not route_path(scope).startswith(GUARDED_PREFIXES)
         ):
             return await self.app(scope, receive, send)
         given = _header(scope, b"authorization") or b""
         token = given[7:] if given[:7].lower() == b"bearer " else b""
         # Compare against every key (no early exit) so timing reveals nothing about which failed.
-        matches = [secrets.compare_digest(token, key) for key in self.keys]
+        given_digest = key_digest(token)
+        matches = [hmac.compare_digest(given_digest, d) for d in self.digests]
         if not any(matches):
             return await send_error(
                 send,
@@ -133,7 +153,7 @@ class ServerStateMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.state.draining and scope["path"].startswith(GUARDED_PREFIXES):
+        if self.state.draining and route_path(scope).startswith(GUARDED_PREFIXES):
             return await send_error(send, 503, "The server is shutting down")
         if not self.echo_request_id:
             return await self.app(scope, receive, send)

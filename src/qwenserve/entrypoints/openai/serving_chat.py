@@ -172,6 +172,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         template_kwargs=_template_kwargs(state, req),
         documents=req.documents,
     )
+    state.check_prompt_chars(text, "messages")
     ids = truncate_prompt(req, state, state.tokenizer.encode(
         text, add_special_tokens=req.add_special_tokens))
     if not ids:

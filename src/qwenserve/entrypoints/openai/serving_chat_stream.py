@@ -18,7 +18,7 @@ from qwenserve.entrypoints.openai.serving_engine import (
     prompt_logprobs_body,
     usage,
 )
-from qwenserve.entrypoints.openai.streaming import DONE, chain_first, sse
+from qwenserve.entrypoints.openai.streaming import DONE, ChunkEncoder, chain_first, sse
 from qwenserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -47,20 +47,22 @@ async def stream_chat(
     choices = [_StreamChoice(state, job) for _ in range(req.n)]
     finishes: list[str] = []
     num_cached = 0
+    encoder = ChunkEncoder(_head(job))
     try:
         if first is not None:
             yield _role_chunks(state, job, include_usage, first)
         async for out in chain_first(first, agen):
             num_cached = max(num_cached, out.num_cached_tokens)
             for comp in out.outputs:
-                chunk = _delta_chunk(state, job, choices[comp.index], comp, finishes)
-                if chunk is None:
+                body = _delta_choice(state, job, choices[comp.index], comp, finishes)
+                if body is None:
                     continue
+                fields: dict[str, Any] = {"choices": [body]}
                 if include_usage:
-                    chunk["usage"] = (
+                    fields["usage"] = (
                         _stream_usage(state, job, choices, num_cached) if continuous else None
                     )
-                yield sse(chunk)
+                yield encoder.encode(fields)
         usage_body = _stream_usage(state, job, choices, num_cached)
         if include_usage:
             yield sse({**_chunk(job, []), "usage": usage_body})
@@ -99,14 +101,15 @@ def _role_chunks(
     return sse(chunk)
 
 
-def _delta_chunk(
+def _delta_choice(
     state: ServerState,
     job: ChatJob,
     choice: _StreamChoice,
     comp: CompletionOutput,
     finishes: list[str],
 ) -> dict[str, Any] | None:
-    """The chunk for one completion's new output, or None while parsers hold text back."""
+    """The chunk's choice for one completion's new output, or None while parsers hold text
+    back."""
     choice.num_tokens += len(comp.token_ids)
     if comp.logprobs is not None:
         choice.pending_ids += comp.token_ids
@@ -130,17 +133,21 @@ def _delta_chunk(
         body["finish_reason"] = choice.parser.finish_reason(comp.finish_reason)
         body["stop_reason"] = comp.stop_reason
         finishes.append(body["finish_reason"])
-    return _chunk(job, [body])
+    return body
 
 
-def _chunk(job: ChatJob, choices: list[dict]) -> dict[str, Any]:
+def _head(job: ChatJob) -> dict[str, Any]:
+    """The fields every chunk of the stream repeats."""
     return {
         "id": job.public_id,
         "object": "chat.completion.chunk",
         "created": job.created,
         "model": job.model,
-        "choices": choices,
     }
+
+
+def _chunk(job: ChatJob, choices: list[dict]) -> dict[str, Any]:
+    return {**_head(job), "choices": choices}
 
 
 def _stream_usage(

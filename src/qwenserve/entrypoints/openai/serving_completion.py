@@ -25,7 +25,13 @@ from qwenserve.entrypoints.openai.serving_engine import (
     truncate_prompt,
     usage,
 )
-from qwenserve.entrypoints.openai.streaming import DONE, chain_first, merge_async_iterators, sse
+from qwenserve.entrypoints.openai.streaming import (
+    DONE,
+    ChunkEncoder,
+    chain_first,
+    merge_async_iterators,
+    sse,
+)
 from qwenserve.entrypoints.openai.structured import apply_constraints
 from qwenserve.outputs import RequestOutput
 from qwenserve.sampling_params import SamplingParams
@@ -76,6 +82,7 @@ def prepare_completion(
     source = None
     for item in _prompt_list(req.prompt):
         if isinstance(item, str):
+            state.check_prompt_chars(item)
             ids = state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             text = item
         else:
@@ -204,8 +211,9 @@ class _StreamState:
         self.finishes: list[str] = []
         # Prompt logprobs come with a prompt's first output only; n choices each echo them.
         self.prompt_lps: dict[int, Any] = {}
+        self.encoder = ChunkEncoder(_head(job))
 
-    def chunk(self, i: int, out: RequestOutput, comp: Any) -> dict[str, Any]:
+    def chunk(self, i: int, out: RequestOutput, comp: Any) -> str:
         index = i * self.job.n + comp.index
         first = index not in self.offsets
         new_scores = out.prompt_logprobs is not None and i not in self.prompt_lps
@@ -221,10 +229,10 @@ class _StreamState:
         choice = _choice(self.state, self.job, index, comp, echo, offset)
         if new_scores:
             choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
-        chunk = _chunk(self.job, [choice])
+        fields: dict[str, Any] = {"choices": [choice]}
         if self.include_usage:
-            chunk["usage"] = self.usage() if self.continuous else None
-        return chunk
+            fields["usage"] = self.usage() if self.continuous else None
+        return self.encoder.encode(fields)
 
     def usage(self) -> dict[str, Any]:
         num_prompt = sum(len(p.token_ids) for p in self.job.prompts)
@@ -242,7 +250,7 @@ async def stream_completion(
     try:
         async for i, out in chain_first(first, merged):
             for comp in out.outputs:
-                yield sse(stream.chunk(i, out, comp))
+                yield stream.chunk(i, out, comp)
         usage_body = stream.usage()
         if stream.include_usage:
             yield sse({**_chunk(job, []), "usage": usage_body})
@@ -257,14 +265,18 @@ async def stream_completion(
     yield DONE
 
 
-def _chunk(job: CompletionJob, choices: list[dict]) -> dict[str, Any]:
+def _head(job: CompletionJob) -> dict[str, Any]:
+    """The fields every chunk of the stream repeats."""
     return {
         "id": job.public_id,
         "object": "text_completion",
         "created": job.created,
         "model": job.model,
-        "choices": choices,
     }
+
+
+def _chunk(job: CompletionJob, choices: list[dict]) -> dict[str, Any]:
+    return {**_head(job), "choices": choices}
 
 
 def start_stream(

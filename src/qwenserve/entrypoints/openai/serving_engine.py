@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
+import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from qwenserve.entrypoints.openai.errors import (
     OpenAIError,
@@ -25,6 +31,12 @@ from qwenserve.structured_output.config import StructuredOutputsConfig
 from qwenserve.structured_output.service import GrammarService
 
 logger = init_logger("qwenserve.entrypoints.openai")
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# A prompt longer than this many characters per token of max_model_len cannot fit even after
+# truncation; it is refused before tokenizing (tokenizing 30 MB takes tens of seconds).
+MAX_CHARS_PER_TOKEN = 32
 
 # vLLM's fallbacks when neither the request nor generation_config.json sets a value.
 _NEUTRAL_DEFAULTS = {
@@ -86,14 +98,40 @@ class ServerState:
         self.draining = False
         self._counter = itertools.count()
         self._grammars: GrammarService | None = None
+        self._grammars_lock = threading.Lock()  # first use may come from two pool threads
+        # Tokenizing and template rendering run here, not on the event loop, so that one big
+        # request cannot keep /health and every stream waiting (the tokenizer drops the GIL).
+        self._cpu_pool = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="qwenserve-cpu"
+        )
+
+    async def offload(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run CPU-heavy request work (tokenize, render, detokenize) off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._cpu_pool, functools.partial(fn, *args, **kwargs))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * MAX_CHARS_PER_TOKEN
+
+    def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
+        """Refuse text too long to fit before paying for tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt is {len(text)} characters long; this server tokenizes at most "
+                f"{self.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} characters per token of "
+                f"--max-model-len {self.max_model_len}). Shorten the input.",
+                param,
+            )
 
     def grammar_service(self) -> GrammarService:
         """The grammar compiler (shared with an in-process engine: one compile per spec)."""
-        if self._grammars is None:
-            from qwenserve.structured_output.service import model_grammar_service
+        with self._grammars_lock:
+            if self._grammars is None:
+                from qwenserve.structured_output.service import model_grammar_service
 
-            self._grammars = model_grammar_service(self.engine.config.model, self.tokenizer)
-        return self._grammars
+                self._grammars = model_grammar_service(self.engine.config.model, self.tokenizer)
+            return self._grammars
 
     def check_model(self, model: str | None) -> str:
         """The name to report for ``model``; 404 for a name this server does not serve."""

@@ -68,6 +68,7 @@ def tokenize(
         )
     else:
         text = req.prompt
+    state.check_prompt_chars(text, "messages" if isinstance(req, TokenizeChatRequest) else "prompt")
     ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     strs = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return {

@@ -23,8 +23,24 @@ T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
 
+def _dumps(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(payload)}\n\n"
+
+
+class ChunkEncoder:
+    """One stream's SSE chunks with the fields every chunk repeats (``id``, ``object``,
+    ``created``, ``model``) encoded once: per token only the changing fields are encoded.
+    ``encode(fields)`` equals ``sse({**head, **fields})`` byte for byte."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self._prefix = "data: " + _dumps(head)[:-1] + ","
+
+    def encode(self, fields: dict[str, Any]) -> str:
+        return self._prefix + _dumps(fields)[1:] + "\n\n"
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):

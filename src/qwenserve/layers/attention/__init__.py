@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout
+from qwenserve.layers.attention.base import AttentionBackend, AttentionMetadata, ChunkLayout
 
 _BACKENDS = {
     "torch_ref": ("qwenserve.layers.attention.torch_ref", "TorchRefBackend"),
@@ -18,4 +18,4 @@ def get_attention_backend(name: str) -> AttentionBackend:
     return getattr(importlib.import_module(module_name), class_name)()
 
 
-__all__ = ["AttentionBackend", "ChunkLayout", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "ChunkLayout", "get_attention_backend"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -33,17 +32,22 @@ class ChunkLayout:
         return self.start_pos + self.q_len
 
 
+class AttentionMetadata:
+    """What one backend's ``build_metadata`` returns: each backend subclasses it with the index
+    tensors its ``forward`` reads (built once per step, shared by every attention layer)."""
+
+
 class AttentionBackend(ABC):
     name: str
 
     @abstractmethod
     def build_metadata(self, chunks: list[ChunkLayout], block_size: int,
-                       device: torch.device) -> Any:
+                       device: torch.device) -> AttentionMetadata:
         """Tensors every layer needs for this step (built once per step)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, num_slots, Hkv, D] -> out [T, Hq, D]."""
 
 

@@ -23,7 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout, slot_ids
+from qwenserve.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    ChunkLayout,
+    slot_ids,
+)
 
 
 @dataclass
@@ -35,7 +40,7 @@ class PrefillSpan:
 
 
 @dataclass
-class TorchRefMetadata:
+class TorchRefMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     block_size: int
     num_decodes: int  # rows [0, num_decodes) are single-token decodes

@@ -17,6 +17,16 @@ from qwenserve.layers.recurrent.torch_ref import (
     gdn_gating,
 )
 
+_BACKENDS = {"torch_ref": TorchRefRecurrentBackend}
+
+
+def get_recurrent_backend(name: str) -> RecurrentBackend:
+    """A platform names its Gated DeltaNet kernels (``Platform.default_recurrent_backend``)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"recurrent backend {name!r} is unknown; known: {', '.join(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "GDNMetadata",
@@ -27,5 +37,6 @@ __all__ = [
     "causal_conv1d_varlen",
     "gated_delta_net_forward",
     "gdn_gating",
+    "get_recurrent_backend",
     "rms_norm_gated",
 ]

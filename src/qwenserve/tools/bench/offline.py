@@ -1,7 +1,7 @@
 """Shared plumbing of the offline benchmarks: engine flags, building ``LLM``, writing JSON.
 
-The engine flags come from ``qwenserve.config.EngineArgs`` (one definition for ``serve``, ``LLM``
-and these tools), so ``bench throughput --max-num-seqs 64`` means exactly what it means to the
+The engine flags come from ``qwenserve.engine.arg_utils.EngineArgs`` (one definition for
+``serve``, ``LLM`` and these tools), so ``bench throughput --max-num-seqs 64`` means exactly what it means to the
 server. Everything touching the engine is imported inside functions: importing this module (for
 ``--help``) must not import torch.
 """
@@ -17,7 +17,7 @@ from qwenserve.tools.bench.errors import BenchError, first_line
 
 def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     """Every ``EngineArgs`` flag, with ``defaults`` overriding the engine's defaults."""
-    from qwenserve.config import EngineArgs
+    from qwenserve.engine.arg_utils import EngineArgs
 
     EngineArgs.add_cli_args(parser)
     if defaults:
@@ -27,7 +27,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> No
 def make_llm(args: argparse.Namespace) -> Any:
     """Build the in-process engine from the engine flags, as ``vllm bench`` does."""
     from qwenserve import LLM
-    from qwenserve.config import EngineArgs
+    from qwenserve.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
     try:

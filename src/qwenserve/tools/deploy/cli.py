@@ -76,10 +76,26 @@ def write_files(files: Sequence[GeneratedFile], directory: Path, force: bool) ->
     written = []
     for f in files:
         path = directory / f.name
-        path.write_text(f.content)
-        os.chmod(path, f.mode)
+        _create_file(path, f.content, f.mode, replace=force)
         written.append(path)
     return written
+
+
+def _create_file(path: Path, content: str, mode: int, replace: bool) -> None:
+    """Create ``path`` with ``mode`` from the first byte (secrets are never readable by others,
+    not even for a moment) and never through a symbolic link someone left there."""
+    if path.is_symlink():
+        raise DeployError(f"{path} is a symbolic link; remove it, qwenserve will not write through it")
+    if replace and path.exists():
+        path.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, mode)
+    except FileExistsError as e:  # created between the check and here
+        raise DeployError(f"{path} appeared while writing; run again") from e
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), mode)  # the umask may have taken bits away (0644 files)
+        out.write(content)
 
 
 def warnings(opts: DeployOptions, target: str) -> list[str]:

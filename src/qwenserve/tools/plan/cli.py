@@ -23,7 +23,7 @@ TP_CANDIDATES = (1, 2, 4, 8, 16)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from qwenserve.config import human_readable_int
+    from qwenserve.engine.arg_utils import human_readable_int
 
     parser.add_argument("model", help="model folder, config.json, or a hub id cached locally")
     parser.add_argument("--device", default="910b-64g", choices=sorted(DEVICES),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qwenserve.config import ModelConfig
 
 
-def load_tokenizer(model_config: Any) -> Any:
+def load_tokenizer(model_config: ModelConfig) -> Any:
     source = model_config.source
     if source.is_gguf and model_config.tokenizer == source.folder:
         from qwenserve.models.gguf_loader import load_gguf_tokenizer

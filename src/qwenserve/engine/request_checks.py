@@ -1,0 +1,66 @@
+"""RequestChecks: what makes the engine refuse a request, checkable without the model.
+
+The server runs these in its own process before a request crosses to the engine process, so a
+bad request is a 400 at once; the engine runs them again when it adds the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qwenserve.config import EngineConfig
+from qwenserve.sampling_params import SamplingParams
+from qwenserve.structured_output.service import GrammarService, model_grammar_service
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit ``max_model_len`` (vLLM's wording, so clients can match it)."""
+
+
+class RequestChecks:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._grammars: GrammarService | None = None
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                         compile_grammar: bool = True) -> None:
+        """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler.
+        With ``compile_grammar`` a structured-output spec is compiled now (blocking; cached)."""
+        self.check_prompt(prompt_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name} {value} is more than the engine's max_logprobs "
+                                 f"({self.config.max_logprobs}); ask for fewer or raise "
+                                 "--max-logprobs")
+        vocab = self.config.model.vocab_size
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logit_bias", list(params.logit_bias or {}))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (the "
+                                 f"vocabulary has {vocab} tokens)")
+        if compile_grammar and params.structured_outputs is not None:
+            self.grammar_service().compile(params.structured_outputs.to_spec())
+
+    def grammar_service(self) -> GrammarService:
+        """The process's grammar compiler for this model (built on first use: xgrammar loads
+        only when a request asks for structured outputs)."""
+        if self._grammars is None:
+            self._grammars = model_grammar_service(self.config.model, self.tokenizer)
+        return self._grammars
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        max_len = self.config.scheduler.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty; give at least one token")
+        if len(prompt_token_ids) > max_len:
+            raise PromptTooLongError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                f"model length of {max_len}. Make sure that `max_model_len` is no smaller than "
+                "the number of text tokens.")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab})")

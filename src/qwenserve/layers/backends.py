@@ -1,0 +1,52 @@
+"""Backends: the kernels one platform runs, chosen once by the worker and handed to the model.
+
+The model reads them from its ``ModelContext`` while it builds its layers, so a faster kernel (a
+flash-attention or Ascend attention backend, a fused GEMM) plugs in here: a new backend file and
+the platform naming it, never a branch in a model or a module rebound after loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from qwenserve.layers.attention import AttentionBackend, get_attention_backend
+from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
+from qwenserve.quantization.kernels import Int8Matmul
+
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
+
+# linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N], as F.linear
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Backends:
+    attention: AttentionBackend  # paged attention layers
+    recurrent: RecurrentBackend  # Gated DeltaNet layers
+    float_linear: LinearFn  # float (unquantized) linear layers and the LM head
+    int8_mm: Int8Matmul  # INT8 W8A8 linear layers (quantized checkpoints, --quantization int8)
+
+    @classmethod
+    def for_platform(cls, platform: Platform) -> Backends:
+        return cls(
+            attention=get_attention_backend(platform.default_attention_backend),
+            recurrent=get_recurrent_backend(platform.default_recurrent_backend),
+            float_linear=platform.float_linear() or F.linear,
+            int8_mm=Int8Matmul(platform),
+        )
+
+    @classmethod
+    def reference(cls) -> Backends:
+        """The pure-PyTorch kernels (a model built without a platform: tests, the planner)."""
+        return cls(
+            attention=get_attention_backend("torch_ref"),
+            recurrent=get_recurrent_backend("torch_ref"),
+            float_linear=F.linear,
+            int8_mm=Int8Matmul(None),
+        )

@@ -1,0 +1,124 @@
+"""Hostile and careless clients against a real server behind ``--root-path`` with ``--api-key``
+(issue 13): every path decision ignores the root path, limits answer with the flag to change."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from oai_server import API_KEY, SERVED, RemoteServer
+
+ROOT = "/api"
+LONG_CONTEXT = 32768  # prompts up to 32 x this many characters get tokenized (seconds of work)
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
+    log = tmp_path_factory.mktemp("guarded") / "serve.log"
+    srv = RemoteServer(
+        [
+            tiny_model("qwen2", max_position_embeddings=LONG_CONTEXT),
+            "--served-model-name",
+            SERVED,
+            "--api-key",
+            API_KEY,
+            "--root-path",
+            ROOT,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(LONG_CONTEXT),
+            "--kv-cache-memory-bytes",
+            "32M",
+            "--disable-uvicorn-access-log",
+        ],
+        log,
+        api_key=API_KEY,
+    )
+    yield srv
+    srv.stop()
+
+
+def test_root_path_keeps_the_api_key_required(guarded):
+    """uvicorn puts the root path in front of ``scope["path"]``; auth must still see ``/v1``.
+    (The proxy in front strips the root path, so clients reach ``/v1/...`` here.)"""
+    url = guarded.base_url
+    assert httpx.get(url + "/v1/models", timeout=30).status_code == 401
+    body = {"model": SERVED, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+    ok = httpx.get(url + "/v1/models", headers=guarded.headers, timeout=30)
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == SERVED
+    assert httpx.get(url + "/health", timeout=30).status_code == 200  # open, as in vLLM
+    # With the prefix left on, the router sees /api/v1/models: no route, and never a 200.
+    assert httpx.get(url + ROOT + "/v1/models", timeout=30).status_code in (401, 404)
+
+
+def test_without_root_path_the_key_is_required(server):
+    assert httpx.get(server.base_url + "/v1/models", timeout=30).status_code == 401
+
+
+def _health_while(guarded: RemoteServer, send) -> tuple[httpx.Response, float]:
+    """Run ``send()`` in a thread; poll /health meanwhile. -> (its response, slowest /health)."""
+    import threading
+    import time
+
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", send()))
+    thread.start()
+    slowest = 0.0
+    time.sleep(0.2)  # let the upload start
+    while thread.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(guarded.base_url + "/health", timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.05)
+    thread.join()
+    return box["r"], slowest
+
+
+def test_huge_tokenize_is_refused_by_length_and_health_stays_fast(guarded):
+    prompt = "Hello world! How are you today? " * 150_000  # 4.8 MB, no key needed
+    r, slowest = _health_while(
+        guarded,
+        lambda: httpx.post(guarded.base_url + "/tokenize", json={"prompt": prompt}, timeout=120),
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "--max-model-len" in err["message"] and err["param"] == "prompt"
+    assert slowest < 1.0
+
+
+def test_tokenizing_runs_off_the_event_loop(guarded):
+    """Within the length cap, tokenizing still takes seconds: /health must not wait for it."""
+    body = {"model": SERVED, "prompt": "Hello world! How are you today? " * 20_000}
+    r, slowest = _health_while(guarded, lambda: guarded.post("/v1/completions", json=body))
+    assert r.status_code == 400 and "maximum context length" in r.text, r.text
+    assert slowest < 1.0
+
+
+def test_template_rendering_runs_off_the_event_loop(guarded):
+    """10,000 messages: rendering and tokenizing take seconds; /health must not wait for them."""
+    messages = [{"role": "user", "content": f"message {i} " * 3} for i in range(10_000)]
+    body = {"model": SERVED, "messages": messages, "max_tokens": 1}
+    r, slowest = _health_while(
+        guarded,
+        lambda: guarded.post("/v1/chat/completions", json=body, timeout=120),
+    )
+    assert r.status_code == 400 and "maximum context length" in r.text, r.text
+    assert slowest < 1.0
+
+
+def test_reset_prefix_cache_only_in_dev_mode(guarded, server):
+    assert httpx.post(guarded.base_url + "/reset_prefix_cache", timeout=30).status_code == 404
+    assert guarded.post("/reset_prefix_cache").status_code == 404  # a key does not open it
+    assert server.post("/reset_prefix_cache").status_code == 200  # QWENSERVE_SERVER_DEV_MODE=1
+
+
+def test_prompts_are_cut_in_request_log_lines(server):
+    """--max-log-len defaults to 500 characters: one log line per request stays short."""
+    prompt = "Hello world! " * 400  # 5200 characters
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 100}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    request_id = r.json()["id"]
+    lines = [line for line in server.log().splitlines() if request_id in line]
+    assert lines and all(len(line) < 800 for line in lines), max(map(len, lines))
