@@ -64,7 +64,7 @@ def worker_qwenserve(n: int) -> dict:
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(o for _, o in reqs)
-    kv = [c for c in llm.llm_engine.executor.worker.runner.caches if hasattr(c, "data_ptr")]
+    kv = list(llm.llm_engine.executor.worker.runner.caches.kv.values())
     return {"output_tokens": produced, "requests": n,
             "prompt_tokens": sum(len(p) for p, _ in reqs), "seconds": elapsed,
             "peak_rss_mib": peak_rss_mib(),
