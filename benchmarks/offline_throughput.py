@@ -176,6 +176,32 @@ def worker_decode() -> dict:
             "layer_gflop": 2 * layers * tokens / 1e9, "lm_head_gflop": 2 * lm_head * tokens / 1e9}
 
 
+def worker_memory() -> dict:
+    """Where the RSS goes: after loading (weights, 4 GiB KV cache allocated), and after one
+    520-token request; the KV cache's resident MiB at each point, and the peak."""
+    from qwenserve import LLM, SamplingParams
+
+    llm = LLM(model_path(), dtype="float32", max_model_len=1024)
+    kv = list(llm.llm_engine.executor.worker.runner.caches.kv.values())
+
+    def kv_resident() -> float:
+        return sum(resident_bytes(c.data_ptr(), c.nbytes) for c in kv) / 2**20
+
+    out = {"after_load_rss_mib": current_rss_mib(), "after_load_peak_rss_mib": peak_rss_mib(),
+           "kv_allocated_mib": sum(c.nbytes for c in kv) / 2**20,
+           "kv_resident_after_load_mib": kv_resident(),
+           "weights_mib": llm.llm_engine.executor.weight_bytes() / 2**20}
+    llm.generate([{"prompt_token_ids": list(range(100, 612))}],
+                 SamplingParams(max_tokens=8, ignore_eos=True))
+    return {**out, "after_request_rss_mib": current_rss_mib(), "peak_rss_mib": peak_rss_mib(),
+            "kv_resident_after_request_mib": kv_resident()}
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
 def worker_startup() -> dict:
     start = time.perf_counter()
     from qwenserve import LLM, SamplingParams
@@ -227,7 +253,8 @@ def main() -> None:
               "hf": lambda: worker_hf(args.n, args.batch),
               "hf_same": lambda: worker_hf(args.n, args.batch, same_kernels=True),
               "matmul": worker_matmul,
-              "decode": worker_decode, "startup": worker_startup, "prefix": worker_prefix}
+              "decode": worker_decode, "startup": worker_startup, "prefix": worker_prefix,
+              "memory": worker_memory}
         print(json.dumps(fn[args.worker]()))
         return
     model_path()
@@ -240,6 +267,7 @@ def main() -> None:
                            "--batch", "8"),
         "matmul": ("--worker", "matmul"), "decode": ("--worker", "decode"),
         "startup": ("--worker", "startup"), "prefix": ("--worker", "prefix"),
+        "memory": ("--worker", "memory"),
     }
     results = {}
     for name in args.only.split(","):
@@ -300,6 +328,14 @@ def report(r: dict) -> str:
             f"GFLOP/s; its GEMMs at the measured per-shape rates would take {ideal_s:.1f} s "
             f"of its {d['seconds']:.1f} s: {100 * ideal_s / d['seconds']:.0f}% of the GEMM "
             f"rate; {100 * d['gflops'] / m['gemm_2048_gflops']:.0f}% of the 2048^3 rate")
+    if "memory" in r:
+        mem = r["memory"]
+        rows.append(f"RSS after load {mem['after_load_rss_mib']:.0f} MiB (KV resident "
+                    f"{mem['kv_resident_after_load_mib']:.1f} of {mem['kv_allocated_mib']:.0f} "
+                    f"MiB), after a 520-token request {mem['after_request_rss_mib']:.0f} MiB (KV "
+                    f"{mem['kv_resident_after_request_mib']:.1f} MiB); peak "
+                    f"{mem['peak_rss_mib']:.0f} MiB, {mem['after_load_peak_rss_mib']:.0f} of it "
+                    "reached while loading")
     if "startup" in r:
         rows.append(f"start-up to ready: {r['startup']['seconds_to_ready']:.1f} s (engine "
                     f"{r['startup']['engine_startup_s']:.1f} s)")
