@@ -64,6 +64,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None = None
+    mamba_ssm_cache_dtype: str = "auto"  # Gated DeltaNet state; auto: float32
+
+    @property
+    def ssm_state_dtype(self) -> str:
+        return "float32" if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype
 
     def cpu_budget_bytes(self) -> int:
         """CPU KV budget: the flag, else QWENSERVE_CPU_KVCACHE_SPACE GiB, else 4 GiB (vLLM's)."""
@@ -78,11 +83,37 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    num_speculative_tokens: int = 0  # most draft tokens verified per request and step
+    spec_disable_by_batch_size: int | None = None  # no drafts while this many requests run
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed (``--speculative-config``, parsed in ``spec_decode/config.py``).
+    ``disable_by_batch_size``: no drafts while this many or more requests run (vLLM's knob)."""
+
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 1
+    model: str | None = None  # draft_model: the drafter's folder, .gguf or hub id
+    disable_by_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts whole per rank, not sliced
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """What a pooling model returns for a prompt (``--runner pooling``; rules in
+    ``qwenserve/pooling.py``)."""
+
+    kind: str  # "embed" | "classify"
+    # classify: the LM-head rows whose logits make the score: (negative, positive)
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,3 +127,7 @@ class EngineConfig:
     platform_name: str
     seed: int = 0
     max_logprobs: int = 20
+    load_format: str = "auto"  # auto | safetensors | dummy | sharded_state
+    pooler: PoolerConfig | None = None  # --runner pooling: what a request returns
+    speculative: SpeculativeConfig | None = None
+    draft_model: ModelConfig | None = None  # the drafter (speculative method draft_model)

@@ -52,8 +52,18 @@ def api_key() -> str | None:
     return _get("API_KEY", "VLLM_API_KEY")
 
 
+def http_timeout_keep_alive_s() -> float:
+    """Idle keep-alive connections close after this (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s)."""
+    return _number("HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", 5.0)
+
+
+def http_header_timeout_s() -> float:
+    """A connection that has not sent complete request headers after this closes (10 s)."""
+    return _number("HTTP_HEADER_TIMEOUT", None, 10.0)
+
+
 def server_dev_mode() -> bool:
-    """Serve the development routes (``/reset_prefix_cache``), as vLLM's ``VLLM_SERVER_DEV_MODE``."""
+    """Serve the development routes (``/reset_prefix_cache``), as ``VLLM_SERVER_DEV_MODE``."""
     return _flag("SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
 
 
@@ -91,11 +101,11 @@ def int8_float_vocab() -> bool:
     return _flag("INT8_FLOAT_VOCAB")
 
 
-def _number(name: str, vllm_name: str, default: float) -> float:
+def _number(name: str, vllm_name: str | None, default: float) -> float:
     value = _get(name, vllm_name)
     if value is None:
         return default
-    source = f"QWENSERVE_{name}" if os.environ.get(f"QWENSERVE_{name}") else vllm_name
+    source = f"QWENSERVE_{name}" if os.environ.get(f"QWENSERVE_{name}") else str(vllm_name)
     try:
         number = float(value)
     except ValueError as e:

@@ -60,4 +60,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # --runner pooling: embedding or score logits
     extra: dict = field(default_factory=dict)

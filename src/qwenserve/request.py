@@ -61,6 +61,8 @@ class Request:
     first_token_time: float | None = None
     # prompt_logprobs requests: entry i scores prompt token i + 1 (plain data from the workers)
     prompt_logprobs: list = field(default_factory=list)
+    # speculative decoding: drafts proposed after the last step, verified in the next one
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,6 +55,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the logits, as OpenAI's field
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None  # reasoning tokens before </think> is forced
+    pooling: bool = False  # a pooling request (--runner pooling): prefilled, never sampled
     # Filled by the engine: the model's EOS ids that also end generation (unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: ``bad_words`` as token ids (with and without a leading space).

@@ -1,18 +1,19 @@
 from helpers.factories import make_request
 from qwenserve.core.cache.hashing import hash_block
-from qwenserve.core.cache.manager import CacheManager
+from qwenserve.core.cache.manager import NO_HIT, CacheManager
 
 
 def test_allocation_rounds_up_to_blocks_and_fails_cleanly():
     cm = CacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
     req = make_request(num_tokens=9)
-    assert len(cm.allocate(req, 9)) == 3
+    alloc = cm.allocate(req, 9)
+    assert len(alloc.new_block_ids) == 3 and alloc.num_tokens == 9 and alloc.state_slot is None
     other = make_request(num_tokens=8)
     assert cm.allocate(other, 8) is None  # needs 2, 1 free: nothing changes
-    assert cm.block_ids(other.request_id) == [] and cm.pool.num_free_blocks == 1
+    assert cm.block_ids(other.request_id) == [] and cm.kv.pool.num_free_blocks == 1
     req.num_computed_tokens = 9
-    assert len(cm.allocate(req, 3)) == 0  # 12 tokens still fit in 3 blocks
-    assert len(cm.allocate(req, 4)) == 1
+    assert len(cm.allocate(req, 3).new_block_ids) == 0  # 12 tokens still fit in 3 blocks
+    assert len(cm.allocate(req, 4).new_block_ids) == 1
 
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_one_token():
@@ -24,11 +25,14 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_one_token():
     cm.free(first)
     same = make_request(prompt=list(range(12)))
     hit = cm.lookup_prefix(same)
-    assert len(hit) == 2  # the 3rd block holds the last token, which must be recomputed
+    # the 3rd block holds the last token, which must be recomputed
+    assert len(hit.block_ids) == 2 and hit.num_tokens == 8 and hit.checkpoint_slot is None
+    alloc = cm.allocate(same, 4, hit)
+    assert alloc.new_block_ids[:2] == hit.block_ids and len(alloc.new_block_ids) == 3
     longer = make_request(prompt=list(range(12)) + [99])
-    assert len(cm.lookup_prefix(longer)) == 3
+    assert len(cm.lookup_prefix(longer).block_ids) == 3
     different = make_request(prompt=[5] + list(range(1, 12)))
-    assert cm.lookup_prefix(different) == []
+    assert cm.lookup_prefix(different) == NO_HIT
 
 
 def test_hashes_chain_over_the_whole_prefix():
@@ -46,18 +50,22 @@ def test_revived_free_blocks_do_not_count_as_free_room():
     cm.free(a)  # all 3 blocks free, 2 hold a cached prefix
     b = make_request(prompt=[1, 2, 3, 4, 7, 8, 9])
     hit = cm.lookup_prefix(b)
-    assert len(hit) == 2
+    assert len(hit.block_ids) == 2
     # 7 tokens need 4 blocks: 2 shared + 2 new, but only 1 block is free besides the hit ones.
     assert cm.allocate(b, 3, hit) is None
-    assert cm.pool.num_free_blocks == 3
+    assert cm.kv.pool.num_free_blocks == 3 and cm.stats.queries == 0
 
 
 def test_free_releases_blocks_and_prefix_stats_count_tokens():
     cm = CacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     r = make_request(num_tokens=4)
     cm.allocate(r, 4)
-    cm.record_prefix_query(4, 2)
+    r.num_computed_tokens = 4
+    cm.cache_full_blocks(r)
     cm.free(r)
+    again = make_request(num_tokens=4)
+    assert cm.allocate(again, 2, cm.lookup_prefix(again)) is not None  # admitted: counted
+    cm.free(again)
     assert cm.usage() == 0.0 and cm.stats.queries == 4 and cm.stats.hits == 2
 
 
@@ -68,8 +76,8 @@ def test_state_slots_one_per_live_request():
     assert cm.allocate(c, 2) is None  # slot 0 is the null slot: only 2 usable
     assert {cm.state_slot(a.request_id), cm.state_slot(b.request_id)} == {1, 2}
     cm.free(a)
-    assert cm.allocate(c, 2) is not None and cm.state_slot(c.request_id) == cm.state_slots.get(
-        c.request_id)
+    alloc = cm.allocate(c, 2)
+    assert alloc is not None and alloc.state_slot == cm.state_slot(c.request_id) == 1
 
 
 def hybrid(num_state_slots: int = 4, num_blocks: int = 16) -> CacheManager:
@@ -77,60 +85,84 @@ def hybrid(num_state_slots: int = 4, num_blocks: int = 16) -> CacheManager:
                         num_state_slots=num_state_slots)
 
 
-def run_prefill(cm: CacheManager, req, upto: int) -> tuple[int, int] | None:
-    """Allocate and 'compute' req up to ``upto`` tokens; returns the state save it triggers."""
-    cm.allocate(req, upto - req.num_computed_tokens)
-    req.num_computed_tokens = upto
+def run_chunk(cm: CacheManager, req, num_tokens: int) -> int:
+    """Allocate and 'compute' up to ``num_tokens`` more tokens of ``req`` (one step); returns
+    how many ran."""
+    alloc = cm.allocate(req, num_tokens)
+    req.num_computed_tokens += alloc.num_tokens
     cm.cache_full_blocks(req)
-    return cm.save_state(req, upto)
+    return alloc.num_tokens
 
 
 def test_hybrid_prefix_hit_needs_a_state_checkpoint():
     cm = hybrid()
     first = make_request(prompt=list(range(14)))
-    assert cm.checkpoint_position(first) == 12  # last block boundary before the last token
-    live, saved = run_prefill(cm, first, 12)
-    assert live == cm.state_slot(first.request_id) and saved != live
-    run_prefill(cm, first, 14)
+    assert run_chunk(cm, first, 14) == 12  # stops at the last block boundary before the end
+    live = cm.state_slot(first.request_id)
+    assert run_chunk(cm, first, 2) == 2
     cm.free(first)
     follow_up = make_request(prompt=list(range(14)) + [50, 51, 52])  # e.g. the next chat turn
     hit = cm.lookup_prefix(follow_up)
-    assert len(hit) == 3  # 4 KV blocks would match up to 16, the state only up to 12
-    assert cm.checkpoint_slot(follow_up, len(hit)) == saved
-    assert cm.allocate(follow_up, 5, hit, keep_slot=saved) is not None
-    assert cm.state_slot(follow_up.request_id) != saved  # the checkpoint is copied, not taken
-    assert cm.restore_state(follow_up, saved) == (saved, cm.state_slot(follow_up.request_id))
+    # 4 KV blocks would match up to 16 tokens, the state only up to 12
+    assert len(hit.block_ids) == 3 and hit.checkpoint_slot not in (None, live)
+    alloc = cm.allocate(follow_up, 5, hit)
+    # the save reserved after the 12-token chunk went out with the next allocation ("first"'s
+    # second chunk), so this one only restores; the checkpoint is copied, not taken
+    assert alloc.state_slot != hit.checkpoint_slot and not alloc.state_saves
+    assert alloc.state_restores == [(hit.checkpoint_slot, alloc.state_slot)]
     other = make_request(prompt=list(range(8)) + [99] * 8)  # shares 2 blocks, no checkpoint
-    assert cm.lookup_prefix(other) == []
+    assert cm.lookup_prefix(other) == NO_HIT
+
+
+def test_saves_go_out_with_the_next_allocation():
+    cm = hybrid()
+    first = make_request(prompt=list(range(14)))
+    run_chunk(cm, first, 14)
+    live = cm.state_slot(first.request_id)
+    alloc = cm.allocate(first, 2)
+    ((src, checkpoint),) = alloc.state_saves
+    assert src == live and checkpoint != live
+    assert cm.allocate(make_request(num_tokens=3), 3).state_saves == []  # drained once
 
 
 def test_checkpoints_live_in_idle_slots_and_are_evicted_lru():
     cm = hybrid(num_state_slots=4)  # 3 usable slots
     reqs = [make_request(prompt=[i] * 9) for i in range(3)]
-    saves = []
     for req in reqs:
-        saves.append(run_prefill(cm, req, 8))
+        assert run_chunk(cm, req, 9) == 8
         cm.free(req)
     # Three requests came and went, one at a time, each holding one slot while it ran: two idle
     # slots were left for checkpoints, so the third save evicted the oldest checkpoint.
-    assert all(s is not None for s in saves)
     hits = [cm.lookup_prefix(make_request(prompt=[i] * 10)) for i in range(3)]
-    assert [len(h) for h in hits] == [0, 2, 2]
-    assert cm.checkpoint_slot(make_request(prompt=[2] * 10), 2) == saves[2][1]
+    assert [len(h.block_ids) for h in hits] == [0, 2, 2]
     live = [make_request(num_tokens=2) for _ in range(3)]
     for req in live:
         assert cm.allocate(req, 2) is not None  # live requests evict checkpoints, never wait
-    assert all(cm.lookup_prefix(make_request(prompt=[i] * 10)) == [] for i in range(3))
-    assert cm.save_state(live[0], 4) is None  # no idle slot left for a checkpoint
+    assert all(cm.lookup_prefix(make_request(prompt=[i] * 10)) == NO_HIT for i in range(3))
+    late = make_request(prompt=[7] * 9)
+    cm.free(live[0])
+    assert run_chunk(cm, late, 9) == 8  # takes the only idle slot: no room for a checkpoint
+    assert cm.allocate(late, 1).state_saves == []
+
+
+def test_a_live_request_outranks_a_checkpoint_not_copied_yet():
+    cm = hybrid(num_state_slots=3)  # 2 usable: one live, one idle
+    a = make_request(prompt=[1] * 9)
+    assert run_chunk(cm, a, 9) == 8  # reserves the idle slot for its checkpoint
+    b = make_request(num_tokens=2)
+    alloc = cm.allocate(b, 2)
+    assert alloc is not None and alloc.state_saves == []  # b took it; the save is dropped
+    assert cm.lookup_prefix(make_request(prompt=[1] * 10)) == NO_HIT
 
 
 def test_reset_prefix_cache_drops_checkpoints():
     cm = hybrid()
     req = make_request(prompt=list(range(9)))
-    assert run_prefill(cm, req, 8) is not None
+    run_chunk(cm, req, 9)
     cm.free(req)
     assert cm.reset_prefix_cache()
-    assert cm.lookup_prefix(make_request(prompt=list(range(9)))) == []
+    assert cm.lookup_prefix(make_request(prompt=list(range(9)))) == NO_HIT
+    assert cm.allocate(make_request(num_tokens=2), 2).state_saves == []
 
 
 def test_one_step_never_saves_two_checkpoints_into_one_slot():
@@ -139,8 +171,8 @@ def test_one_step_never_saves_two_checkpoints_into_one_slot():
     for req in (a, b):
         cm.allocate(req, 8)
         req.num_computed_tokens = 8
+    for req in (a, b):
         cm.cache_full_blocks(req)
-    first = cm.save_state(a, 8)
-    assert first is not None
-    assert cm.save_state(b, 8, taken={first[1]}) is None  # the only idle slot is taken
-    assert cm.checkpoint_slot(make_request(prompt=[1] * 9), 2) == first[1]
+    saves = cm.allocate(a, 1).state_saves
+    assert len(saves) == 1 and saves[0][0] == cm.state_slot(a.request_id)  # b found no slot
+    assert cm.lookup_prefix(make_request(prompt=[1] * 9)).checkpoint_slot == saves[0][1]

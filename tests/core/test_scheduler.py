@@ -171,12 +171,15 @@ def test_hybrid_prefill_stops_at_its_checkpoint_and_a_follow_up_restores_it():
     sched.add_request(first)
     out, _ = run_step(sched)
     live = sched.cache.state_slot(first.request_id)
-    # the prefill stops at 12, the last block boundary before the last token, and saves there
+    # the prefill stops at 12, the last block boundary before the last token, and saves there:
+    # the copy goes out with the next step, made before its forward pass
     assert [(c.start_pos, len(c.token_ids), c.sample) for c in out.chunks] == [(0, 12, False)]
+    assert not out.state_saves and not out.state_restores
+    out, _ = run_step(sched)
+    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [(12, 2)]
     ((src, checkpoint),) = out.state_saves
     assert src == live and checkpoint != live and not out.state_restores
     out, _ = run_step(sched)
-    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [(12, 2)]
     assert not out.state_saves  # 14 is no block boundary
     while sched.has_unfinished_requests():
         run_step(sched)

@@ -148,3 +148,38 @@ def test_rejects_wrong_shapes_and_names() -> None:
         moe.load_weight("gate_up_proj", torch.zeros(E, INTER, H))
     with pytest.raises(KeyError):
         moe.load_weight("experts.0.gate.weight", torch.zeros(INTER, H))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@torch.no_grad()
+def test_expert_parallel_shards_with_a_sliced_shared_expert_sum_to_full_block(world_size) -> None:
+    """--enable-expert-parallel: whole experts per rank (uneven when E % ranks != 0), the shared
+    expert sliced as under TP; the ranks' partial sums add up to the unsharded block."""
+    gate_up, down, router = random_experts(4)
+    gen = torch.Generator().manual_seed(5)
+    names = {"experts.gate_up_proj": gate_up, "experts.down_proj": down,
+             "shared_expert.gate_proj.weight": torch.randn(I_SHARED, H, generator=gen) * 0.2,
+             "shared_expert.up_proj.weight": torch.randn(I_SHARED, H, generator=gen) * 0.2,
+             "shared_expert.down_proj.weight": torch.randn(H, I_SHARED, generator=gen) * 0.2,
+             "shared_expert_gate.weight": torch.randn(1, H, generator=gen)}
+    x = torch.randn(17, H)
+    full = make_block(names, router, shared_intermediate_size=I_SHARED)(x)
+    shards = [MoEShard.expert_parallel(E, r, world_size) for r in range(world_size)]
+    held = [list(s.expert_range(E)) for s in shards]
+    assert sum(held, []) == list(range(E))  # every expert exactly once, in order
+    assert max(map(len, held)) - min(map(len, held)) <= 1
+    total = torch.zeros_like(full)
+    for rank, shard in enumerate(shards):
+        shared = MoEShard(tp_rank=rank % 2, tp_size=2) if world_size == 2 else None
+        block = make_block(names, router, shared_intermediate_size=I_SHARED, shard=shard,
+                           shared_shard=shared)
+        out = block(x)
+        if shared is None:  # 3 ranks: shared expert whole on rank 0 only, for this check
+            out = out if rank == 0 else block.experts(x, block.gate(x))
+        total += out
+    torch.testing.assert_close(total, full, atol=1e-6, rtol=1e-5)
+
+
+def test_expert_parallel_needs_an_expert_per_rank() -> None:
+    with pytest.raises(ValueError, match="at least one expert per rank"):
+        MoEShard.expert_parallel(2, 0, 4)

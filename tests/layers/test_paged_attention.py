@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qwenserve.layers.attention import ChunkLayout, get_attention_backend
-from qwenserve.layers.attention.base import slot_ids
+from qwenserve.layers.attention.base import kv_slot_ids
 
 BLOCK, HQ, HKV, D, NUM_BLOCKS = 4, 6, 2, 8, 32
 
@@ -41,7 +41,7 @@ def test_batched_decodes_and_prefills_match_dense_attention(dtype):
         ctx = start + q_len
         blocks = [free.pop() for _ in range(-(-ctx // BLOCK))]
         k_all, v_all = (torch.randn(ctx, HKV, D).to(dtype) for _ in range(2))
-        earlier = torch.tensor(slot_ids(blocks, 0, start, BLOCK), dtype=torch.long)
+        earlier = torch.tensor(kv_slot_ids(blocks, 0, start, BLOCK), dtype=torch.long)
         cache[0, earlier], cache[1, earlier] = k_all[:start], v_all[:start]  # earlier steps
         chunks.append(ChunkLayout(q_start, q_len, start, blocks))
         qs.append(torch.randn(q_len, HQ, D).to(dtype))

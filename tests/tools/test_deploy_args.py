@@ -93,7 +93,7 @@ def test_bad_options_are_rejected_with_a_message(tmp_path, capsys, option, value
 
 
 def test_all_targets_at_once(tmp_path):
-    run_deploy(tmp_path, "all", "--platform", "ascend", serve=["Qwen/Qwen3-8B"])
+    run_deploy(tmp_path, "all", "--platform", "npu", serve=["Qwen/Qwen3-8B"])
     folders = {p.parent.name for p in tmp_path.rglob("*") if p.is_file()}
     assert folders == {
         "systemd",

@@ -30,7 +30,7 @@ def instructions(dockerfile: str) -> list[tuple[str, str]]:
 
 
 def test_ascend_dockerfile(tmp_path):
-    files = run_deploy(tmp_path, "docker", "--platform", "ascend", serve=SERVE)
+    files = run_deploy(tmp_path, "docker", "--platform", "npu", serve=SERVE)
     text = files["Dockerfile"].read_text()
     steps = instructions(text)
     assert steps[0] == ("ARG", "BASE_IMAGE=quay.io/ascend/cann:9.1.0-910b-ubuntu22.04-py3.12")
@@ -44,13 +44,13 @@ def test_ascend_dockerfile(tmp_path):
 
 
 def test_base_image_cann_picks_the_torch_pair(tmp_path):
-    files = run_deploy(tmp_path, "docker", "--platform", "ascend", "--base-image",
+    files = run_deploy(tmp_path, "docker", "--platform", "npu", "--base-image",
                        "quay.io/ascend/cann:8.5.1-910b-ubuntu22.04-py3.11", serve=["M"])  # fmt: skip
     assert "pip install torch==2.9.0 torch_npu==2.9.0 " in files["Dockerfile"].read_text()
 
 
 def test_unknown_base_image_falls_back_to_the_newest_pair_and_says_so(tmp_path):
-    files = run_deploy(tmp_path, "docker", "--platform", "ascend", "--base-image", "myorg/npu:latest",
+    files = run_deploy(tmp_path, "docker", "--platform", "npu", "--base-image", "myorg/npu:latest",
                        serve=["M"])  # fmt: skip
     text = files["Dockerfile"].read_text()
     assert (
@@ -79,7 +79,7 @@ def run_script_with_fake_docker(script: Path, tmp_path: Path) -> list[str]:
 
 
 def test_ascend_run_script_maps_devices_and_driver(tmp_path):
-    files = run_deploy(tmp_path, "docker", "--platform", "ascend", "--devices", "4,5", serve=SERVE)
+    files = run_deploy(tmp_path, "docker", "--platform", "npu", "--devices", "4,5", serve=SERVE)
     script = files["docker-run.sh"]
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     args = run_script_with_fake_docker(script, tmp_path)
@@ -117,7 +117,7 @@ def test_cuda_run_script_asks_for_the_gpus(tmp_path):
     assert "/models/Qwen3-8B:/models/Qwen3-8B:ro" in args
 
 
-@pytest.mark.parametrize("platform", ["ascend", "cuda", "cpu"], ids=lambda p: f"platform-{p}")
+@pytest.mark.parametrize("platform", ["npu", "cuda", "cpu"], ids=lambda p: f"platform-{p}")
 def test_run_script_passes_shellcheck(tmp_path, platform):
     shellcheck = require_tool("shellcheck", "shellcheck")
     files = run_deploy(tmp_path, "docker", "--platform", platform, serve=SERVE)
@@ -134,7 +134,7 @@ def load_manifests(tmp_path: Path, *options: str, serve: list[str]) -> dict[str,
 
 def test_k8s_ascend_deployment(tmp_path):
     docs = load_manifests(
-        tmp_path, "--platform", "ascend", "--replicas", "3", "--namespace", "llm", serve=SERVE
+        tmp_path, "--platform", "npu", "--replicas", "3", "--namespace", "llm", serve=SERVE
     )
     deployment, service, secret = docs["Deployment"], docs["Service"], docs["Secret"]
     spec = deployment["spec"]

@@ -42,7 +42,7 @@ def host_files(tmp_path: Path) -> tuple[Path, Path]:
 
 
 # ids avoid the bare words cuda/npu, which the root conftest treats as device markers
-@pytest.mark.parametrize("platform", ["ascend", "cuda", "cpu"], ids=lambda p: f"platform-{p}")
+@pytest.mark.parametrize("platform", ["npu", "cuda", "cpu"], ids=lambda p: f"platform-{p}")
 def test_systemd_unit_verifies_and_runs_the_exact_serve_flags(tmp_path, host_files, platform):
     qwenserve, root = host_files
     files = run_deploy(tmp_path / "out", "systemd", "--platform", platform, "--qwenserve-bin",
@@ -51,7 +51,7 @@ def test_systemd_unit_verifies_and_runs_the_exact_serve_flags(tmp_path, host_fil
     assert result.returncode == 0 and result.stderr == "", result.stderr
     ran = run_command(exec_start_argv(files["qwenserve.service"].read_text()))
     assert ran["argv"] == ["serve", *TRICKY]
-    assert ran["sourced"] == ("1" if platform == "ascend" else None)
+    assert ran["sourced"] == ("1" if platform == "npu" else None)
 
 
 def test_systemd_verify_catches_a_missing_executable(tmp_path):
@@ -64,7 +64,7 @@ def test_systemd_verify_catches_a_missing_executable(tmp_path):
 
 def test_systemd_unit_contents(tmp_path, host_files):
     qwenserve, root = host_files
-    files = run_deploy(tmp_path, "systemd", "--platform", "ascend", "--qwenserve-bin", str(qwenserve),
+    files = run_deploy(tmp_path, "systemd", "--platform", "npu", "--qwenserve-bin", str(qwenserve),
                        "--ascend-root", str(root), "--devices", "4,5", "--env", "HCCL_OP_EXPANSION_MODE=AIV",
                        "--env-file", "/etc/default/qwenserve", "--user", "llm",
                        serve=["Qwen/Qwen3-8B", "-tp", "2", "--api-key", "sk-secret"])  # fmt: skip
@@ -133,7 +133,7 @@ def load_with_supervisor(conf: Path, tmp_path: Path) -> dict:
 
 def test_supervisor_config_parses_and_runs_the_exact_serve_flags(tmp_path, host_files):
     qwenserve, root = host_files
-    files = run_deploy(tmp_path / "out", "supervisor", "--platform", "ascend", "--user",
+    files = run_deploy(tmp_path / "out", "supervisor", "--platform", "npu", "--user",
                        getpass.getuser(), "--qwenserve-bin", str(qwenserve), "--ascend-root", str(root),
                        "--log-file", str(tmp_path / "qwenserve.log"),
                        serve=[*TRICKY, "--api-key", "sk-1%2"])  # fmt: skip

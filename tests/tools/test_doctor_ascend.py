@@ -26,13 +26,13 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 def doctor(
     capsys: pytest.CaptureFixture[str], host: FakeAscendHost, *args: str
 ) -> tuple[int, dict]:
-    return run_doctor(capsys, "--platform", "ascend", "--ascend-root", str(host.root), *args)
+    return run_doctor(capsys, "--platform", "npu", "--ascend-root", str(host.root), *args)
 
 
 def test_healthy_host_passes_every_ascend_check(ascend_host, capsys):
     code, report = doctor(capsys, ascend_host)
     checks = by_id(report)
-    assert code == 0 and report["ok"] is True and report["platform"] == "ascend"
+    assert code == 0 and report["ok"] is True and report["platform"] == "npu"
     assert {name: checks[name]["status"] for name in ASCEND_CHECKS} == dict.fromkeys(
         ASCEND_CHECKS, "PASS"
     )
@@ -60,7 +60,7 @@ def test_text_output_shows_status_reason_and_fix(ascend_host, capsys, monkeypatc
 
     monkeypatch.delenv("ASCEND_HOME_PATH")
     monkeypatch.delenv("ASCEND_TOOLKIT_HOME")
-    code = main(["doctor", "--platform", "ascend", "--ascend-root", str(ascend_host.root)])
+    code = main(["doctor", "--platform", "npu", "--ascend-root", str(ascend_host.root)])
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL  cann_env" in out and "ASCEND_HOME_PATH is not set" in out
@@ -293,7 +293,7 @@ def test_multi_node_run_requires_hccl_if_ip(ascend_host, capsys):
 
 def test_platform_is_detected_from_the_ascend_root(ascend_host, capsys):
     _, report = run_doctor(capsys, "--ascend-root", str(ascend_host.root))
-    assert report["platform"] == "ascend"
+    assert report["platform"] == "npu"
 
 
 def test_firmware_falls_back_to_npu_smi_board(ascend_host, capsys):

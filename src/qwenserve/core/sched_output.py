@@ -29,6 +29,10 @@ class ScheduledChunk:
     ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``; a decode is a
     chunk of one token. ``sample`` is true when the chunk reaches the request's last known token,
     so the logits at its end give the next token (an intermediate prefill chunk samples nothing).
+
+    Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are draft tokens, not
+    yet part of the request; the workers verify them (one row of logits per token) and keep
+    the KV of those accepted.
     """
 
     request_id: str
@@ -36,6 +40,7 @@ class ScheduledChunk:
     start_pos: int
     new_block_ids: list[int]
     sample: bool
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -44,10 +49,11 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # batch order
     finished_request_ids: list[str] = field(default_factory=list)  # drop their worker state
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Recurrent-state copies (source slot, destination slot) of hybrid models' prefix cache:
-    # checkpoint -> request before the forward pass, request -> checkpoint after it.
-    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    # Recurrent-state copies (source slot, destination slot) of hybrid models' prefix cache,
+    # made before the forward pass: saves first (a live slot, still holding the state after the
+    # previous step's chunk, -> a checkpoint), then restores (checkpoint -> a request's slot).
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -71,15 +77,17 @@ class SampledToken:
 @dataclass
 class RequestUpdate:
     """What one step did to one request, for the engine's output processing: its new token,
-    and how it finished (``finish_reason`` "stop" | "length" | "abort", None while running)."""
+    and how it finished (``finish_reason`` "stop" | "length" | "abort", None while running).
+    A pooling request finishes with its ``pooled`` output and no token."""
 
     request_id: str
-    new_token: SampledToken
+    new_token: SampledToken | None
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int  # prompt tokens found in the prefix cache (-1: not admitted yet)
     first_scheduled_time: float | None  # wall clock
     prompt_logprobs: list[SampledToken] | None = None  # with its first token, when asked for
+    pooled: list[float] | None = None  # --runner pooling: the prompt's pooled output
 
     @property
     def finished(self) -> bool:
@@ -91,6 +99,12 @@ class ModelOutput:
     """Rank 0's answer to a SchedulerOutput: one sample per chunk with ``sample=True``."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens verified as accepted, which come before
+    # ``sampled`` (absent when none was), and the drafts proposed for each request's next step.
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # prompt_logprobs requests: request id -> (first position, one entry per position from it).
     # The entry at position p scores prompt token p + 1 (its ``token_id``) given tokens 0..p.
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
+    # pooling runner (--runner pooling): request id -> its pooled output, instead of a sample
+    pooled: dict[str, list[float]] = field(default_factory=dict)

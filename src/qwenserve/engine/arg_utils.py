@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,14 +19,20 @@ from qwenserve.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
 )
+from qwenserve.options.compilation import compilation_config_arg
+from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
+from qwenserve.spec_decode.config import parse_speculative_config
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "sharded_state")
 
 
 def human_readable_int(value: str) -> int:
@@ -45,6 +52,17 @@ def human_readable_int(value: str) -> int:
             f"{value!r} is not a size: use an integer, optionally with k/m/g (1000s) or "
             "K/M/G (1024s), e.g. 4096, 32k, 8G"
         ) from e
+
+
+def json_object(value: str) -> dict:
+    """A flag whose value is a JSON object (``--hf-overrides '{"k": 1}'``)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {value!r} ({e})") from e
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def _opt(help: str, group: str = "ModelConfig", **kwargs: Any) -> Any:
@@ -78,7 +96,8 @@ class EngineArgs:
     enforce_eager: bool = _opt("Accepted for compatibility: qwenserve always runs eagerly.",
                                default=False)
     max_logprobs: int = _opt("Largest logprobs a request may ask for.", default=20, type=int)
-    block_size: int | None = _opt("Tokens per KV block (default 16).", group="CacheConfig",
+    block_size: int | None = _opt("Tokens per KV block (default: the platform's, 16; 128 on "
+                                  "Ascend NPUs).", group="CacheConfig",
                                   type=int, choices=(1, 8, 16, 32, 64, 128, 256))
     enable_prefix_caching: bool = _opt("Reuse the KV of shared prompt prefixes.",
                                        default=True, group="CacheConfig")
@@ -98,6 +117,43 @@ class EngineArgs:
                                               group="SchedulerConfig", type=human_readable_int)
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", default=1,
                                      group="ParallelConfig", type=int, aliases=("-tp",))
+    # ---- vLLM / vLLM Ascend options the tutorials pass (docs/serving.md has the table) ----
+    hf_overrides: dict | None = _opt(
+        "JSON merged into the model's HF config before it is read, e.g. YaRN: "
+        "'{\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4, "
+        "\"original_max_position_embeddings\": 32768}}'.", type=json_object)
+    load_format: str = _opt("auto/safetensors: the checkpoint's safetensors; dummy: random "
+                            "weights (benchmarks); sharded_state: per-rank files written by "
+                            "scripts/save_sharded_state.py.", default="auto", group="LoadConfig",
+                            choices=LOAD_FORMATS)
+    mamba_ssm_cache_dtype: str = _opt(
+        "dtype of the Gated DeltaNet (linear attention) recurrent state; auto: float32.",
+        default="auto", group="CacheConfig", choices=MAMBA_SSM_CACHE_DTYPES)
+    compilation_config: dict | None = _opt(
+        "vLLM's CompilationConfig (JSON, or -cc.key=value): validated; qwenserve has no "
+        "torch.compile or graph capture yet, so each key is logged as having no effect.",
+        group="CompilationConfig", type=compilation_config_arg, aliases=("-cc",))
+    additional_config: dict | None = _opt(
+        "vLLM Ascend plugin options (JSON): documented keys are logged as having no effect "
+        "here, unknown keys warned about.", type=json_object)
+    async_scheduling: bool = _opt(
+        "Accepted; no effect yet (logged): the next step is scheduled after the current one.",
+        default=False, group="SchedulerConfig")
+    runner: str = _opt("generate, or pooling (embedding and reranker models: /v1/embeddings, "
+                       "/score, /rerank); auto: pooling for ...ForSequenceClassification.",
+                       default="auto", choices=RUNNERS)
+    task: str = _opt("vLLM's older name for the runner: embed (embedding), score/classify "
+                     "(reranker); reward is not implemented yet.", default="auto",
+                     choices=TASKS)
+    convert: str = _opt("Serve a causal LM as embed (last-token pooling) or classify model.",
+                        default="auto", choices=CONVERTS)
+    enable_expert_parallel: bool = _opt(
+        "Shard MoE experts whole across the tensor-parallel ranks instead of slicing each "
+        "expert.", default=False, group="ParallelConfig")
+    speculative_config: Any = _opt(
+        "Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": 3} (docs/spec_decode.md).", group="SpeculativeConfig")
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -126,6 +182,27 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     # ---- resolution ---------------------------------------------------------------------------
+    def _pooler(self, model_config: Any) -> PoolerConfig | None:
+        """None for text generation; else what a pooling request returns (qwenserve.pooling)."""
+        from qwenserve.pooling import classifier_token_ids, pooling_kind, wants_pooling
+
+        hf = model_config.hf_config
+        archs = getattr(hf, "original_architectures", None) or hf.architectures
+        seq_cls = any("ForSequenceClassification" in a for a in archs or [])
+        if not (wants_pooling(self.runner, self.task, self.convert) or seq_cls):
+            return None
+        if self.runner == "generate":
+            raise ValueError("--runner generate cannot serve --task/--convert "
+                             f"{self.task}/{self.convert}; use --runner pooling")
+        kind = pooling_kind(self.task, self.convert, archs, hf)
+        if kind == "embed":
+            return PoolerConfig("embed")
+        from qwenserve.models.tokenizer import load_tokenizer
+
+        tokens = list(hf.classifier_from_token)
+        return PoolerConfig("classify", classifier_token_ids(load_tokenizer(model_config),
+                                                             tokens))
+
     def create_engine_config(self, platform: Platform | None = None) -> EngineConfig:
         """Resolve the model, device and sizes; raise ``ValueError`` naming what to change.
         ``platform``: the entry point's (default: the one this process detects)."""
@@ -133,11 +210,11 @@ class EngineArgs:
             from qwenserve.platforms import resolve_platform
 
             platform = resolve_platform()
-        model_config = self.create_model_config(platform)
         block_size = self.block_size or platform.default_block_size
         if block_size not in platform.supported_block_sizes:
             raise ValueError(f"--block-size {block_size} is not supported on {platform.name}; "
                              f"use one of {', '.join(map(str, platform.supported_block_sizes))}")
+        model_config = self.create_model_config(platform)
         max_batched = self.max_num_batched_tokens or 2048
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -149,6 +226,17 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        speculative = parse_speculative_config(self.speculative_config)
+        draft_model = None
+        if speculative is not None and speculative.model:  # the drafter, in the target's dtype
+            draft_model = EngineArgs(model=speculative.model, dtype=model_config.dtype,
+                                     download_dir=self.download_dir
+                                     ).create_model_config(platform)
+        if self.load_format in ("dummy", "sharded_state") and model_config.quantization:
+            raise ValueError(f"--load-format {self.load_format} with a "
+                             f"{model_config.quantization} checkpoint is not implemented yet: "
+                             "drop --load-format or use an unquantized model")
+        log_option_notes(self, platform.name)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -157,16 +245,25 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=model_config.max_model_len,
+                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                spec_disable_by_batch_size=speculative.disable_by_batch_size
+                if speculative else None,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    enable_expert_parallel=self.enable_expert_parallel),
+            load_format=self.load_format,
+            pooler=self._pooler(model_config),
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            speculative=speculative,
+            draft_model=draft_model,
         )
 
     def create_model_config(self, platform: Platform) -> ModelConfig:
@@ -177,7 +274,7 @@ class EngineArgs:
         from qwenserve.quantization import resolve_quantization
 
         source = resolve_source(self.model, self.revision, self.download_dir)
-        files = mc.read_model_files(source, self.generation_config)
+        files = mc.read_model_files(source, self.generation_config, self.hf_overrides)
         quant_method, quant_config = resolve_quantization(files.hf_config, self.quantization)
         return ModelConfig(
             source=source,
@@ -192,3 +289,23 @@ class EngineArgs:
             quantization=quant_method,
             quant_config=quant_config,
         )
+
+
+def log_option_notes(args: EngineArgs, platform_name: str) -> None:
+    """Say once, at start-up, what each accepted vLLM option that does not act here means."""
+    from qwenserve.logger import init_logger
+    from qwenserve.options.additional import parse_additional_config
+    from qwenserve.options.compilation import parse_compilation_config
+
+    logger = init_logger("qwenserve.config")
+    for note in parse_compilation_config(args.compilation_config).startup_notes(platform_name):
+        logger.info(note)
+    infos, warnings = parse_additional_config(args.additional_config).startup_notes(
+        platform_name)
+    for note in infos:
+        logger.info(note)
+    for note in warnings:
+        logger.warning(note)
+    if args.async_scheduling:
+        logger.info("--async-scheduling: no effect yet: qwenserve schedules step N+1 after "
+                    "step N returns (see docs/serving.md for the measurement behind this)")

@@ -50,6 +50,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # once the prompt has been scored
     prompt_logprobs_sent: bool = False
+    pooled: list[float] | None = None  # pooling runner
 
     @property
     def finished(self) -> bool:
@@ -94,6 +95,8 @@ class OutputProcessor:
         stopped: dict[str, str] = {}
         for update in updates:
             child_id = update.request_id
+            if child_id in stopped:  # speculative decoding: tokens after a stop string
+                continue
             parent_id, index = self.child_to_parent[child_id]
             state = self.requests[parent_id]
             stop = self._apply(state, state.completions[index], update, now, stats)
@@ -107,6 +110,14 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, comp: _Completion, update: RequestUpdate,
                now: float, stats: IterationStats) -> str | None:
         token = update.new_token
+        if token is None:  # a pooling request: its prompt was all the work
+            state.pooled = update.pooled
+            state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+            comp.first_token_time = comp.last_token_time = now
+            comp.finish_reason = "stop"
+            stats.finished.append(self._finished_stats(state, comp, update, now))
+            return None
         comp.token_ids.append(token.token_id)
         stats.num_generation_tokens += 1
         if comp.first_token_time is None:
@@ -184,6 +195,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
+            pooled=state.pooled,
             num_cached_tokens=state.num_cached_tokens,
             metrics=RequestMetrics(arrival_time=state.arrival_wall))
 

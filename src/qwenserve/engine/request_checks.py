@@ -28,6 +28,13 @@ class RequestChecks:
         """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler.
         With ``compile_grammar`` a structured-output spec is compiled now (blocking; cached)."""
         self.check_prompt(prompt_token_ids)
+        if params.pooling != (self.config.pooler is not None):
+            raise ValueError(
+                "this server runs a pooling model (--runner pooling): use /v1/embeddings, "
+                "/score or /rerank, or serve it without --runner pooling to generate text"
+                if self.config.pooler is not None else
+                "this model generates text; embeddings and scores need --runner pooling "
+                "(an embedding or reranker model)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:

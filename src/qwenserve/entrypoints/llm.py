@@ -9,6 +9,7 @@ from typing import Any
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.outputs import RequestOutput
+from qwenserve.pooling import pooling_params
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict | list[int]
@@ -75,6 +76,23 @@ class LLM:
             add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               use_tqdm: bool = False) -> list[RequestOutput]:
+        """Pooling models (``runner="pooling"``): each prompt's pooled output in
+        ``RequestOutput.pooled`` (the raw last-token hidden state, or the reranker's score
+        logit); ``qwenserve.pooling.embedding``/``relevance`` turn it into vLLM's figures."""
+        if self.llm_engine.config.pooler is None:
+            raise ValueError("encode() needs a pooling model: LLM(..., runner='pooling')")
+        request_ids = []
+        for prompt in _as_prompt_list(prompts):
+            text, token_ids = self._tokenize(prompt)
+            params = pooling_params()
+            self.llm_engine.validate_request(token_ids, params)
+            request_id = str(next(self._counter))
+            self.llm_engine.add_request(request_id, token_ids, params, prompt=text)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -16,7 +16,7 @@ import torch
 @dataclass(frozen=True)
 class RecurrentState:
     conv: torch.Tensor  # [num_state_slots, K-1, conv_dim] model dtype
-    ssm: torch.Tensor  # [num_state_slots, Hv, Dk, Dv] float32
+    ssm: torch.Tensor  # [num_state_slots, Hv, Dk, Dv] --mamba-ssm-cache-dtype (float32)
 
 
 @dataclass

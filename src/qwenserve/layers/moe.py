@@ -4,7 +4,7 @@ Experts are stacked parameters, ``w13`` [E, 2*I, H] (gate rows, then up rows) an
 so a faster backend (grouped GEMM, torch_npu's grouped matmul) can take them as they are. The
 reference groups token-expert pairs by expert and runs one SwiGLU per active expert.
 
-Sharding (for tensor / expert parallelism later): a ``MoEShard`` says which experts and which
+Sharding (tensor or expert parallelism): a ``MoEShard`` says which experts and which
 slice of the intermediate dimension this rank holds. The loaders slice full checkpoint tensors
 into it, and ``forward`` returns this rank's partial sum (routes to experts held elsewhere are
 skipped); the caller all-reduces. With the default shard the layer is complete.
@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwenserve.distributed.parallel_group import ParallelGroup
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _SHARED = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}
@@ -91,6 +97,20 @@ class MoEShard:
     def expert_range(self, num_experts: int) -> range:
         count = self.num_local_experts or num_experts - self.expert_start
         return range(self.expert_start, self.expert_start + count)
+
+    @classmethod
+    def expert_parallel(cls, num_experts: int, rank: int, world_size: int) -> MoEShard:
+        """Whole experts split over ``world_size`` ranks, contiguous, the first
+        ``num_experts % world_size`` ranks holding one more (as vLLM places them)::
+
+            10 experts, 4 ranks:  rank 0: 0-2 | rank 1: 3-5 | rank 2: 6-7 | rank 3: 8-9
+        """
+        if num_experts < world_size:
+            raise ValueError(f"--enable-expert-parallel needs at least one expert per rank: "
+                             f"{num_experts} experts < {world_size} ranks; drop the flag")
+        base, extra = divmod(num_experts, world_size)
+        start = rank * base + min(rank, extra)
+        return cls(expert_start=start, num_local_experts=base + (rank < extra))
 
     def intermediate_slice(self, intermediate_size: int) -> slice:
         if intermediate_size % self.tp_size:
@@ -182,9 +202,11 @@ class SparseMoeBlock(nn.Module):
     ``shared_intermediate_size`` > 0, a SwiGLU ``shared_expert`` scaled by
     ``sigmoid(shared_expert_gate(x))`` (Qwen3.5-MoE, Qwen2-MoE; Qwen3-MoE has none).
 
-    The shared expert is sliced on the intermediate dimension like the routed experts, so the
-    output stays a partial sum under tensor parallelism; with expert parallelism the caller
-    must add it on one rank only. ``load_weight`` takes names relative to the block (``mlp.``).
+    The shared expert is sliced on the intermediate dimension (``shared_shard``, by default the
+    routed experts' tensor-parallel slice), so the output stays a partial sum under tensor
+    parallelism; with expert parallelism the routed experts are whole per rank and the shared
+    one stays sliced, and the sum of both partial sums is still the caller's one all-reduce.
+    ``load_weight`` takes names relative to the block (``mlp.``).
     """
 
     def __init__(
@@ -197,6 +219,7 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate_size: int = 0,
         dtype: torch.dtype | None = None,
         shard: MoEShard | None = None,
+        shared_shard: MoEShard | None = None,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)  # router
@@ -206,7 +229,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: FusedMoE | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate_size:
-            tp = MoEShard(tp_rank=self.experts.shard.tp_rank, tp_size=self.experts.shard.tp_size)
+            tp = shared_shard or MoEShard(tp_rank=self.experts.shard.tp_rank,
+                                          tp_size=self.experts.shard.tp_size)
             # a one-expert FusedMoE holds the shared SwiGLU with the same slicing rules
             self.shared_expert = FusedMoE(
                 1, 1, hidden_size, shared_intermediate_size, False, dtype, tp
@@ -236,3 +260,44 @@ class SparseMoeBlock(nn.Module):
             self.gate.weight.copy_(tensor)
         else:
             raise KeyError(f"SparseMoeBlock: unexpected weight name {name!r}")
+
+
+def is_moe_layer(cfg: PretrainedConfig, layer_id: int) -> bool:
+    """Sparse-MoE MLP here? Every ``decoder_sparse_step``-th layer, minus ``mlp_only_layers``
+    (every layer in the released Qwen3-MoE and Qwen3.5-MoE models)."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (getattr(cfg, "num_experts", 0) > 0 and (layer_id + 1) % step == 0
+            and layer_id not in (getattr(cfg, "mlp_only_layers", None) or ()))
+
+
+class MoEBlock(SparseMoeBlock):
+    """The MoE feed-forward block of a decoder layer, sized from the model config; its
+    tensor-parallel partial sums are all-reduced (one collective, as for a dense MLP).
+
+    ``renormalize`` None: the config's ``norm_topk_prob`` decides (Qwen3-MoE, Qwen3-Next).
+
+    Tensor parallelism slices every expert's intermediate dimension; expert parallelism
+    (``expert_parallel``, ``--enable-expert-parallel``) gives each rank whole experts instead, as
+    vLLM does over the TP ranks, while the shared expert stays sliced. Either way each rank's
+    output is a partial sum of the block's output, so one all-reduce completes it: tokens are
+    replicated on every rank, so the all-gather/reduce-scatter dispatch of vLLM's all-to-all
+    backends reduces to this when there is no data parallelism."""
+
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
+                 shared_intermediate_size: int = 0, renormalize: bool | None = None,
+                 expert_parallel: bool = False) -> None:
+        sliced = MoEShard(tp_rank=tp.rank, tp_size=tp.world_size)
+        shards = ({"shard": MoEShard.expert_parallel(cfg.num_experts, tp.rank, tp.world_size),
+                   "shared_shard": sliced} if expert_parallel else {"shard": sliced})
+        super().__init__(
+            num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", True)) if renormalize is None
+            else renormalize,
+            shared_intermediate_size=shared_intermediate_size, dtype=dtype, **shards)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))

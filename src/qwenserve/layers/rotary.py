@@ -33,8 +33,10 @@ def _inv_freq(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
         return 1.0 / (theta**exponent), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv_freq.float(), float(scaling)
+    target = torch.empty(0).device  # the device the model is being built on (meta in `plan`)
+    with torch.device("cpu"):  # HF's init mixes default-device and "cpu" tensors
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float().to(target), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):

@@ -2,7 +2,8 @@
 
 A model is built from a ``ModelContext`` (config, dtype, parallel group, backends) and exposes
 ``forward(input_ids, positions, batch, caches: ModelCaches) -> hidden``, ``compute_logits(hidden)``,
-``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes)``.
+``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes,
+ssm_dtype_bytes)``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class ModelContext:
     tp: ParallelGroup = SINGLE
     backends: Backends = field(default_factory=Backends.reference)  # the platform's kernels
     quant: QuantConfig | None = None  # quantized checkpoints: a linear method per layer
+    ssm_dtype: torch.dtype = torch.float32  # Gated DeltaNet state (--mamba-ssm-cache-dtype)
+    expert_parallel: bool = False  # MoE experts whole per rank (--enable-expert-parallel)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         """How the linear layer at ``prefix`` computes: the quantization's method for it, else

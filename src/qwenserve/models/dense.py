@@ -5,13 +5,15 @@
     logits = lm_head(norm(x))                  (lm_head tied to embed when tie_word_embeddings)
 
 The architectures differ only in switches: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3).
+``DenseForCausalLM`` is also the base of the MoE and hybrid models: they override its factories
+(``make_mlp``, ``make_decoder``) and keep its forward, LM head, tying and weight loading.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,15 +24,21 @@ from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from qwenserve.layers.moe import SparseMoeBlock
 from qwenserve.layers.norm import RMSNorm
 from qwenserve.layers.rotary import RotaryEmbedding
 from qwenserve.models.base import (
+    STACKED_PARAMS,
     ModelContext,
     check_all_loaded,
     config_head_dim,
     kv_heads_per_rank,
     load_named_weights,
+    split_module_weights,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -94,66 +102,88 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, switches: DenseSwitches, prefix: str,
-                 mlp: nn.Module | None = None) -> None:
+    def __init__(self, ctx: ModelContext, switches: DenseSwitches, layer_id: int,
+                 mlp: nn.Module) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.self_attn = Attention(ctx, switches, f"{prefix}.self_attn")
-        self.mlp = mlp or MLP(ctx, cfg.intermediate_size, switches.mlp_bias, f"{prefix}.mlp")
+        self.layer_id = layer_id
+        self.self_attn = Attention(ctx, switches, f"model.layers.{layer_id}.self_attn")
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch, kv_cache: torch.Tensor, rotary: RotaryEmbedding):
+                batch: ForwardBatch, caches: ModelCaches, rotary: RotaryEmbedding):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, batch, kv_cache, rotary)
+        x = self.self_attn(positions, x, batch, caches.kv[self.layer_id], rotary)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, ctx: ModelContext, make_layer) -> None:
+    """Embedding, the layers (each picks its own cache from ``caches``), final norm. The norm
+    and the rotary embedding are the architecture's (Qwen3.5: zero-centred, partial RoPE)."""
+
+    def __init__(self, ctx: ModelContext, make_layer: Callable[[int], nn.Module],
+                 norm: nn.Module | None = None, rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype,
                                                    ctx.tp)
         self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        head_dim = config_head_dim(cfg)
-        self.rotary = RotaryEmbedding(cfg, head_dim, head_dim, ctx.max_model_len)
+        if norm is None:
+            norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        if rotary is None:
+            head_dim = config_head_dim(cfg)
+            rotary = RotaryEmbedding(cfg, head_dim, head_dim, ctx.max_model_len)
+        self.norm, self.rotary = norm, rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 caches: ModelCaches) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual, batch, caches.kv[i], self.rotary)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, batch, caches, self.rotary)
         x, _ = self.norm(x, residual)
         return x
 
 
 class DenseForCausalLM(nn.Module):
-    """Base of the dense architectures; subclasses set ``switches(hf_config)``."""
+    """The shared causal LM: a ``DecoderModel``, the LM head (tied to the embedding when
+    ``tie_word_embeddings``) and the weight loading. Architectures override what differs:
+    ``switches`` (dense variants), ``make_mlp`` (MoE), ``make_decoder`` (other layer kinds)."""
+
+    # (parameter name fragment, checkpoint name fragment, shard id) of merged projections
+    stacked_params: tuple[tuple[str, str, Any], ...] = STACKED_PARAMS
 
     @classmethod
-    def switches(cls, hf_config: Any) -> DenseSwitches:
+    def switches(cls, hf_config: PretrainedConfig) -> DenseSwitches:
         raise NotImplementedError
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
-        switches = self.switches(ctx.hf_config)
-        self.tie = bool(getattr(ctx.hf_config, "tie_word_embeddings", False))
-        self.model = DecoderModel(
-            ctx, lambda i: DecoderLayer(ctx, switches, f"model.layers.{i}"))
-        self.lm_head = ParallelLMHead(ctx.hf_config.vocab_size, ctx.hf_config.hidden_size,
-                                      ctx.dtype, ctx.tp,
+        cfg = ctx.hf_config
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = self.make_decoder(ctx)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
                                       tie_to=self.model.embed_tokens if self.tie else None,
                                       float_linear=ctx.backends.float_linear)
 
+    def make_decoder(self, ctx: ModelContext) -> DecoderModel:
+        switches = self.switches(ctx.hf_config)
+        return DecoderModel(ctx, lambda i: DecoderLayer(ctx, switches, i, self.make_mlp(ctx, i)))
+
+    def make_mlp(self, ctx: ModelContext, layer_id: int) -> nn.Module:
+        """Layer ``layer_id``'s feed-forward block (dense here; MoE models override)."""
+        cfg = ctx.hf_config
+        return MLP(ctx, cfg.intermediate_size, self.switches(cfg).mlp_bias,
+                   f"model.layers.{layer_id}.mlp")
+
     @classmethod
-    def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int) -> list[CacheSpec]:
+    def cache_specs(cls, hf_config: PretrainedConfig, tp_size: int, kv_dtype_bytes: int,
+                    ssm_dtype_bytes: int = 4) -> list[CacheSpec]:
         return [PagedKVSpec(
             layer_ids=tuple(range(hf_config.num_hidden_layers)),
             num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),
@@ -168,7 +198,17 @@ class DenseForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under this model's names (renamed or regrouped here)."""
+        return weights
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        # MoE blocks load their stacked experts themselves.
+        blocks = {f"model.layers.{i}.mlp.": layer.mlp for i, layer in
+                  enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoeBlock)}
+        loaded: set[str] = set()
         skip = ("rotary_emb.inv_freq", "lm_head.weight") if self.tie else ("rotary_emb.inv_freq",)
-        loaded = load_named_weights(self, weights, skip=skip)
+        rest = split_module_weights(self.checkpoint_weights(weights), blocks, loaded)
+        loaded |= load_named_weights(self, rest, stacked=self.stacked_params, skip=skip)
         check_all_loaded(self, loaded, source)

@@ -13,6 +13,13 @@ from qwenserve.config import ModelSource
 from qwenserve.logger import init_logger
 from qwenserve.models import registry
 from qwenserve.models.source import read_config_json
+from qwenserve.options.hf_overrides import (
+    apply_to_config,
+    check_overrides,
+    derived_max_model_len,
+    merge_overrides,
+)
+from qwenserve.pooling import causal_lm_architectures
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -35,28 +42,40 @@ class ModelFiles:
     generation_defaults: dict[str, object]
 
 
-def read_model_files(source: ModelSource, generation_config: str) -> ModelFiles:
-    """config.json (or the GGUF metadata) and generation_config.json of ``source``."""
+def read_model_files(source: ModelSource, generation_config: str,
+                     hf_overrides: dict | None = None) -> ModelFiles:
+    """config.json (or the GGUF metadata) and generation_config.json of ``source``;
+    ``--hf-overrides`` merged into the config before anything reads it."""
     if source.is_gguf:
         from qwenserve.models.gguf_loader import read_gguf_config
 
         hf_config, eos_ids = read_gguf_config(source.gguf_file)
+        if hf_overrides:
+            apply_to_config(hf_config, check_overrides(hf_overrides))
         return ModelFiles(hf_config, eos_ids, "bfloat16", {})
-    hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder)
+    hf_config, eos_ids, ckpt_dtype = read_hf_config(source.folder, hf_overrides)
     generation = _read_generation_config(source.folder, generation_config)
     eos_ids = _merge_ids(eos_ids, generation.pop("eos_token_id", None))
     return ModelFiles(hf_config, eos_ids, ckpt_dtype, generation)
 
 
-def read_hf_config(folder: str) -> tuple[PretrainedConfig, tuple[int, ...], str]:
-    raw = read_config_json(folder)
+def read_hf_config(folder: str, hf_overrides: dict | None = None
+                   ) -> tuple[PretrainedConfig, tuple[int, ...], str]:
+    """(text config, eos ids, checkpoint dtype); ``--hf-overrides`` are merged in before
+    anything reads the config (the architecture check included)."""
+    overrides = check_overrides(hf_overrides or {})
+    raw = merge_overrides(read_config_json(folder), overrides)
     # Check the architecture before transformers parses anything: the error lists what works.
-    registry.resolve_architecture(raw.get("architectures"))
+    architectures = causal_lm_architectures(raw)  # a reranker runs its causal LM
+    registry.resolve_architecture(architectures)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    text_config.architectures = raw.get("architectures")
+    apply_to_config(text_config, overrides)
+    text_config.architectures = architectures
+    if architectures != raw.get("architectures"):  # the name the user gave, for the pooler
+        text_config.original_architectures = raw.get("architectures")
     if "quantization_config" in raw and not hasattr(text_config, "quantization_config"):
         text_config.quantization_config = raw["quantization_config"]
     ckpt_dtype = str(raw.get("torch_dtype") or raw.get("dtype")
@@ -107,7 +126,7 @@ def resolve_dtype(requested: str, ckpt_dtype: str, platform: Platform) -> str:
 
 
 def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
-    derived = getattr(hf_config, "max_position_embeddings", None) or 4096
+    derived = derived_max_model_len(hf_config)  # max_position_embeddings, x factor with YaRN
     if requested is None:
         return int(derived)
     if requested < 1:
@@ -115,7 +134,8 @@ def resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) ->
     if requested > derived and not envs.allow_long_max_model_len():
         raise ValueError(
             f"--max-model-len {requested} is larger than the model's maximum of {derived} "
-            "tokens (max_position_embeddings). Lower it, or set "
+            "tokens (max_position_embeddings, times the YaRN factor if any). Lower it, add "
+            "YaRN through --hf-overrides (rope_parameters), or set "
             "QWENSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model handles longer inputs."
         )
     return int(requested)

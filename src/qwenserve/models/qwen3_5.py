@@ -26,23 +26,16 @@ from torch import nn
 
 from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from qwenserve.layers.caches import ModelCaches, RecurrentState
-from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from qwenserve.layers.moe import MoEBlock, is_moe_layer
 from qwenserve.layers.norm import ZeroCenteredRMSNorm
 from qwenserve.layers.recurrent import RMSNormGated, gdn_gating
 from qwenserve.layers.rotary import RotaryEmbedding
 from qwenserve.logger import init_logger
-from qwenserve.models.base import (
-    ModelContext,
-    check_all_loaded,
-    kv_heads_per_rank,
-    load_named_weights,
-    split_module_weights,
-)
-from qwenserve.models.dense import MLP
+from qwenserve.models.base import STACKED_PARAMS, ModelContext, kv_heads_per_rank
+from qwenserve.models.dense import MLP, DecoderModel, DenseForCausalLM
 from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
-from qwenserve.models.qwen3_moe import MoEBlock
 
 logger = init_logger(__name__)
 
@@ -138,16 +131,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(n, self.num_v_heads * self.dv))
 
 
-def is_moe_layer(cfg: Any, layer_id: int) -> bool:
-    """Sparse-MoE MLP here? (every ``decoder_sparse_step``-th layer, minus ``mlp_only_layers``)"""
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return (getattr(cfg, "num_experts", 0) > 0 and (layer_id + 1) % step == 0
-            and layer_id not in (getattr(cfg, "mlp_only_layers", None) or ()))
-
-
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, layer_id: int, kind: str,
-                 moe_renormalize: bool | None) -> None:
+    def __init__(self, ctx: ModelContext, layer_id: int, kind: str, mlp: nn.Module) -> None:
         super().__init__()
         cfg = ctx.hf_config
         prefix = f"model.layers.{layer_id}"
@@ -157,11 +142,7 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(ctx, f"{prefix}.self_attn")
         else:
             self.linear_attn = GatedDeltaNet(ctx, f"{prefix}.linear_attn")
-        if is_moe_layer(cfg, layer_id):
-            self.mlp = MoEBlock(ctx, cfg.shared_expert_intermediate_size,
-                                renormalize=moe_renormalize)
-        else:
-            self.mlp = MLP(ctx, cfg.intermediate_size, False, f"{prefix}.mlp")
+        self.mlp = mlp
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                             ctx.dtype)
@@ -180,46 +161,54 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(DenseForCausalLM):
     """Text model of Qwen3.5 / Qwen3.5-MoE (also serves the ``...ForConditionalGeneration``
-    checkpoints, whose text weights sit under ``model.language_model.``)."""
+    checkpoints, whose text weights sit under ``model.language_model.``): the shared causal LM
+    with hybrid layers, zero-centred norms and partial RoPE."""
 
     # Qwen3.5-MoE's router always renormalizes its top-k weights; None: the config's
     # ``norm_topk_prob`` decides (Qwen3-Next).
     moe_renormalize: bool | None = True
+    stacked_params = (*STACKED_PARAMS, ("in_proj", "in_proj_qkv", "qkv"),
+                      ("in_proj", "in_proj_z", "z"), ("in_proj", "in_proj_b", "b"),
+                      ("in_proj", "in_proj_a", "a"))
 
     def __init__(self, ctx: ModelContext) -> None:
-        super().__init__()
         cfg = ctx.hf_config
         if getattr(cfg, "attn_output_gate", True) is False:
             raise ValueError("Qwen3.5 checkpoints with attn_output_gate=false are not supported")
-        self.types = layer_types(cfg)
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                         ctx.dtype, ctx.tp)
-        self.model.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(ctx, i, kind, self.moe_renormalize)
-            for i, kind in enumerate(self.types))
-        self.model.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.rotary = RotaryEmbedding(cfg, cfg.head_dim,
-                                      int(cfg.head_dim * partial_rotary_factor(cfg)),
-                                      ctx.max_model_len)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
-                                      tie_to=self.model.embed_tokens if self.tie else None,
-                                      float_linear=ctx.backends.float_linear)
+        super().__init__(ctx)
         self.dtype = ctx.dtype
+        self.ssm_dtype = ctx.ssm_dtype  # the recurrent state's; kernels compute in fp32
         self.config = cfg
 
+    def make_decoder(self, ctx: ModelContext) -> DecoderModel:
+        cfg, types = ctx.hf_config, layer_types(ctx.hf_config)
+        return DecoderModel(
+            ctx, lambda i: Qwen3_5DecoderLayer(ctx, i, types[i], self.make_mlp(ctx, i)),
+            norm=ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype),
+            rotary=RotaryEmbedding(cfg, cfg.head_dim,
+                                   int(cfg.head_dim * partial_rotary_factor(cfg)),
+                                   ctx.max_model_len))
+
+    def make_mlp(self, ctx: ModelContext, layer_id: int) -> nn.Module:
+        cfg = ctx.hf_config
+        if is_moe_layer(cfg, layer_id):
+            return MoEBlock(cfg, ctx.dtype, ctx.tp, cfg.shared_expert_intermediate_size,
+                            renormalize=self.moe_renormalize,
+                            expert_parallel=ctx.expert_parallel)
+        return MLP(ctx, cfg.intermediate_size, False, f"model.layers.{layer_id}.mlp")
+
     @classmethod
-    def cache_specs(cls, hf_config: Any, tp_size: int, kv_dtype_bytes: int) -> list[CacheSpec]:
+    def cache_specs(cls, hf_config: PretrainedConfig, tp_size: int, kv_dtype_bytes: int,
+                    ssm_dtype_bytes: int = 4) -> list[CacheSpec]:
         cfg, types = hf_config, layer_types(hf_config)
         full = tuple(i for i, t in enumerate(types) if t == "full_attention")
         linear = tuple(i for i, t in enumerate(types) if t != "full_attention")
         conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
                     + cfg.linear_num_value_heads * cfg.linear_value_head_dim) // tp_size
         ssm = (cfg.linear_num_value_heads // tp_size) * cfg.linear_key_head_dim \
-            * cfg.linear_value_head_dim * 4  # float32 state
+            * cfg.linear_value_head_dim * ssm_dtype_bytes  # --mamba-ssm-cache-dtype
         return [
             PagedKVSpec(full, kv_heads_per_rank(cfg.num_key_value_heads, tp_size), cfg.head_dim,
                         kv_dtype_bytes),
@@ -238,36 +227,14 @@ class Qwen3_5ForCausalLM(nn.Module):
             kernel = gdn.conv1d.weight.shape[1]
             conv = torch.zeros(num_state_slots, kernel - 1, gdn.conv_dim, dtype=self.dtype,
                                device=device)
-            ssm = torch.zeros(num_state_slots, gdn.num_v_heads, gdn.dk, gdn.dv, dtype=torch.float32,
-                              device=device)
+            ssm = torch.zeros(num_state_slots, gdn.num_v_heads, gdn.dk, gdn.dv,
+                              dtype=self.ssm_dtype, device=device)
             states.append(RecurrentState(conv, ssm))
         return states
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                caches: ModelCaches) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, batch, caches, self.rotary)
-        x, _ = self.model.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        blocks = {f"model.layers.{i}.mlp.": layer.mlp for i, layer in
-                  enumerate(self.model.layers) if isinstance(layer.mlp, MoEBlock)}
-        loaded: set[str] = set()
-        stacked = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
-                   ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
-                   ("gate_up_proj", "up_proj", 1), ("in_proj", "in_proj_qkv", "qkv"),
-                   ("in_proj", "in_proj_z", "z"), ("in_proj", "in_proj_b", "b"),
-                   ("in_proj", "in_proj_a", "a"))
-        skip = ("rotary_emb.inv_freq", "lm_head.weight") if self.tie else ("rotary_emb.inv_freq",)
-        text = split_qwen3_next_projections(_text_weights(weights), self.config)
-        rest = split_module_weights(text, blocks, loaded)
-        loaded |= load_named_weights(self, rest, stacked=stacked, skip=skip)
-        check_all_loaded(self, loaded, source)
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterable[tuple[str, torch.Tensor]]:
+        return split_qwen3_next_projections(_text_weights(weights), self.config)
 
 
 def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qwenserve.config import EngineConfig
+from qwenserve.config import EngineConfig, ModelConfig
 from qwenserve.core.cache.plan import (
     CachePlan,
     CacheTooSmallError,
@@ -27,13 +27,19 @@ from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.layers.backends import Backends
 from qwenserve.logger import init_logger
 from qwenserve.models.base import ModelContext
+from qwenserve.models.dummy_weights import fill_dummy_weights
 from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
+from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode.draft_model import DraftModelProposer
+from qwenserve.spec_decode.proposer import NgramLookup, Proposer
+from qwenserve.spec_decode.support import check_speculative
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.caches import allocate_caches
 from qwenserve.worker.model_runner import ModelRunner
+from qwenserve.worker.pooler import embedding_checkpoint_names
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -55,8 +61,16 @@ class Worker:
         self.dtype = _DTYPES[config.model.dtype]
         self.model_cls = load_model_class(config.model.architecture)
         self.backends = Backends.for_platform(platform)  # the kernels, chosen once
+        self.ssm_dtype = _DTYPES[config.cache.ssm_state_dtype]
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
-                                                self.dtype.itemsize)
+                                                self.dtype.itemsize, self.ssm_dtype.itemsize)
+        # Speculative decoding with a draft model: its own paged KV group in the same budget.
+        draft = config.draft_model
+        self.draft_cls = load_model_class(draft.architecture) if draft is not None else None
+        self.draft_specs = [] if draft is None else self.draft_cls.cache_specs(
+            draft.hf_config, tp.world_size, self.dtype.itemsize)
+        self.draft_model: Any = None
+        check_speculative(config, self.specs, self.draft_specs)
         self.model: Any = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -65,15 +79,35 @@ class Worker:
     # ---- start-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
-        mc = self.config.model
+        self.model = self._load(self.config.model, self.model_cls, self._quant())
+        if self.draft_cls is not None:
+            self.draft_model = self._load(self.config.draft_model, self.draft_cls, None,
+                                          is_draft=True)
+        self.load_s = time.perf_counter() - start
+
+    def _load(self, mc: ModelConfig, model_cls: Any, quant: QuantConfig | None,
+              is_draft: bool = False) -> Any:
+        """The target model, or (``is_draft``) a speculative-decoding drafter: its own plain
+        checkpoint, never pooled nor per-rank sharded."""
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
                            max_model_len=mc.max_model_len, tp=self.tp,
-                           backends=self.backends, quant=self._quant())
+                           backends=self.backends, quant=quant,
+                           ssm_dtype=self.ssm_dtype,
+                           expert_parallel=self.config.parallel.enable_expert_parallel)
         try:
             with torch.device(self.device):
-                model = self.model_cls(ctx)
-            model.load_weights(iter_weights(mc.source, mc.hf_config),
-                               mc.source.gguf_file or mc.source.folder)
+                model = model_cls(ctx)
+            weights = iter_weights(mc.source, mc.hf_config)
+            if not is_draft and self.config.pooler is not None \
+                    and self.config.pooler.kind == "embed":
+                model.lm_head = None  # an embedding model has no use (and often no weights)
+                weights = embedding_checkpoint_names(weights)
+            if self.config.load_format == "dummy":
+                fill_dummy_weights(model, self.config.seed)
+            elif self.config.load_format == "sharded_state" and not is_draft:
+                load_sharded_state(model, mc.source.folder, self.tp.rank, self.tp.world_size)
+            else:
+                model.load_weights(weights, mc.source.gguf_file or mc.source.folder)
             if ctx.quant is not None:  # scales per shard -> per layer, folded biases
                 ctx.quant.process_weights_after_loading(model)
         except torch.OutOfMemoryError as e:
@@ -82,8 +116,7 @@ class Worker:
                 f"{self.device}. Use more devices (--tensor-parallel-size), a quantized "
                 "checkpoint (--quantization), or a smaller model."
             ) from e
-        self.model = model.eval()
-        self.load_s = time.perf_counter() - start
+        return model.eval()
 
     def _quant(self) -> QuantConfig | None:
         if self.config.model.quantization is None:
@@ -130,14 +163,15 @@ class Worker:
     def plan_cache(self) -> CachePlan:
         cache, sched = self.config.cache, self.config.scheduler
         override = cache.num_gpu_blocks_override
+        specs = self.specs + self.draft_specs
         if override is None:
-            return plan_cache(self.specs, self.cache_budget_bytes(), cache.block_size,
+            return plan_cache(specs, self.cache_budget_bytes(), cache.block_size,
                               sched.max_num_seqs, sched.max_model_len)
         # Testing knob: exactly `override` KV blocks (state slots sized as usual).
-        per_seq = sum(s.bytes_per_seq for s in self.specs if isinstance(s, RecurrentStateSpec))
+        per_seq = sum(s.bytes_per_seq for s in specs if isinstance(s, RecurrentStateSpec))
         roomy = 2 * (sched.max_num_seqs + 1) * per_seq + (override + 1) * cache.block_size * sum(
-            s.bytes_per_token for s in self.specs if isinstance(s, PagedKVSpec))
-        plan = plan_cache(self.specs, roomy, cache.block_size, sched.max_num_seqs, 1)
+            s.bytes_per_token for s in specs if isinstance(s, PagedKVSpec))
+        plan = plan_cache(specs, roomy, cache.block_size, sched.max_num_seqs, 1)
         plan = dataclasses.replace(plan, num_blocks=override)
         if plan.token_capacity < sched.max_model_len:
             raise CacheTooSmallError(f"num_gpu_blocks_override={override} holds "
@@ -153,15 +187,30 @@ class Worker:
         caches = allocate_caches(self.specs, self.model, plan.num_blocks, plan.block_size,
                                  plan.num_state_slots, self.dtype, self.device, zeroed=False)
         grammars = RequestGrammars(partial(model_grammar_service, self.config.model)) \
-            if self.tp.is_driver else None
+            if self.tp.is_driver and self.config.pooler is None else None
         self.runner = ModelRunner(self.model, caches, self.backends, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed,
-                                  self.has_state, grammars)
+                                  self.has_state, grammars, self.config.pooler,
+                                  self._proposer(plan))
 
     @property
     def has_state(self) -> bool:
         """Whether the model has recurrent-state layers (the runner builds their metadata)."""
         return any(isinstance(s, RecurrentStateSpec) for s in self.specs)
+
+    def _proposer(self, plan: CachePlan) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None or not self.tp.is_driver:
+            return None
+        if self.draft_model is None:
+            return NgramLookup(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                               spec.num_speculative_tokens, spec.disable_by_batch_size)
+        # The drafter's KV: same block layout as the target's (dense drafters only).
+        caches = allocate_caches(self.draft_specs, self.draft_model, plan.num_blocks,
+                                 plan.block_size, 0, self.dtype, self.device, zeroed=False)
+        return DraftModelProposer(self.draft_model, caches, self.backends.attention,
+                                  plan.block_size, self.device, spec.num_speculative_tokens,
+                                  spec.disable_by_batch_size)
 
     def warm_up(self) -> None:
         """Run one small prefill and one decode so the first request does not pay for kernel
@@ -171,10 +220,10 @@ class Worker:
         tokens = [0] * min(16, self.config.scheduler.max_model_len - 1,
                            self.plan.token_capacity - 1)
         block_ids = list(range(-(-(len(tokens) + 1) // bs)))
-        slot = 1 if self.plan.num_state_slots else None
+        state_slot = 1 if self.plan.num_state_slots else None
         params = SamplingParams(temperature=0.0, max_tokens=2)
         self.runner.execute(SchedulerOutput(
-            new_requests=[NewRequestData("warmup", tokens, [], params, block_ids, slot)],
+            new_requests=[NewRequestData("warmup", tokens, [], params, block_ids, state_slot)],
             chunks=[ScheduledChunk("warmup", tokens, 0, [], True)]))
         self.runner.execute(SchedulerOutput(
             chunks=[ScheduledChunk("warmup", [0], len(tokens), [], True)]))

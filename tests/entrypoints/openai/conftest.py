@@ -11,7 +11,9 @@ import pytest
 from oai_server import (
     ALIAS,
     API_KEY,
+    LONG_CONTEXT,
     MAX_MODEL_LEN,
+    ROOT,
     SERVED,
     TOOLS_TEMPLATE,
     RemoteServer,
@@ -57,6 +59,42 @@ def server(tiny_model_path, tmp_path_factory) -> RemoteServer:
         log,
         api_key=API_KEY,
         env={"QWENSERVE_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
+    """Behind a path-based proxy (--root-path) with a key, a long context (tokenizing takes
+    seconds), small admission caps and short HTTP timeouts: the hardening tests' server."""
+    log = tmp_path_factory.mktemp("guarded") / "serve.log"
+    srv = RemoteServer(
+        [
+            tiny_model("qwen2", max_position_embeddings=LONG_CONTEXT),
+            "--served-model-name",
+            SERVED,
+            "--api-key",
+            API_KEY,
+            "--root-path",
+            ROOT,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(LONG_CONTEXT),
+            "--kv-cache-memory-bytes",
+            "32M",
+            "--disable-uvicorn-access-log",
+            "--max-num-seqs",
+            "2",
+            "--max-sequences-per-request",
+            "8",
+            "--max-queued-sequences",
+            "2",
+        ],
+        log,
+        api_key=API_KEY,
+        env={"QWENSERVE_HTTP_HEADER_TIMEOUT": "2", "QWENSERVE_HTTP_TIMEOUT_KEEP_ALIVE": "1"},
     )
     yield srv
     srv.stop()

@@ -17,6 +17,8 @@ API_KEY = "sk-qwenserve-test"
 SERVED = "tiny-qwen"
 ALIAS = "tiny-alias"
 MAX_MODEL_LEN = 512
+ROOT = "/api"  # the hardening server's --root-path
+LONG_CONTEXT = 32768  # its max_model_len: prompts up to 32 x this many characters get tokenized
 DATA = Path(__file__).parent / "data"
 TOOLS_TEMPLATE = str(DATA / "qwen_tools.jinja")
 

@@ -249,3 +249,72 @@ def test_request_id_headers():
     fresh = asyncio.run(post(app, {})).headers["x-request-id"]
     assert len(fresh) == 32 and fresh != asyncio.run(post(app, {})).headers["x-request-id"]
     assert "x-request-id" not in asyncio.run(post(app_for([]), {"X-Request-Id": "x"})).headers
+
+
+class FailingEngine(ScriptedEngine):
+    async def generate(self, prompt_ids, params, request_id, prompt=None):
+        raise RuntimeError("secret /home/op/.cache/key")
+        yield  # an async generator, as AsyncEngine.generate
+
+
+def _raw_app(engine) -> httpx.AsyncClient:
+    args = make_serve_parser().parse_args([])
+    app = _build_app(args, ServerState(engine, ServingOptions(["qwen3"])), make_registry(False))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def _post(client: httpx.AsyncClient, path: str, body: dict) -> httpx.Response:
+    async def main() -> httpx.Response:
+        async with client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failures_carry_a_reference_not_the_exception(stream, caplog):
+    from helpers.tiny_models import build_tokenizer
+
+    client = _raw_app(FailingEngine(build_tokenizer()))
+    r = _post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": stream})
+    assert r.status_code == 503
+    message = r.json()["error"]["message"]
+    assert "reference" in message and "secret" not in r.text and "RuntimeError" not in r.text
+    reference = message.split("reference ")[1].split(";")[0]
+    assert reference in caplog.text and "secret /home/op" in caplog.text
+
+
+def test_a_500_names_a_reference_only(monkeypatch, caplog):
+    from helpers.tiny_models import build_tokenizer
+
+    from qwenserve.entrypoints.openai import serving_completion
+
+    def broken(*_args, **_kwargs):
+        raise KeyError("sk-live-1234")
+
+    monkeypatch.setattr(serving_completion, "prepare_completion", broken)
+    r = _post(_raw_app(ScriptedEngine(build_tokenizer())), "/v1/completions", {"prompt": "Hi"})
+    assert r.status_code == 500
+    assert "sk-live" not in r.text and "KeyError" not in r.text and "reference" in r.text
+    assert "sk-live-1234" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
+     ("/tokenize", b'{"prompt": "x\\ud83d"}'),
+     ("/tokenize", b'{"messages": [{"role": "user", "content": "x\\ud83d"}]}')],
+)  # fmt: skip
+def test_lone_surrogates_are_a_400(path, raw):
+    from helpers.tiny_models import build_tokenizer
+
+    async def main() -> httpx.Response:
+        async with _raw_app(ScriptedEngine(build_tokenizer())) as client:
+            headers = {"content-type": "application/json"}
+            return await client.post(path, content=raw, headers=headers)
+
+    r = asyncio.run(main())
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"]

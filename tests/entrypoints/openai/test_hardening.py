@@ -3,39 +3,12 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import httpx
 import pytest
-from oai_server import API_KEY, SERVED, RemoteServer
-
-ROOT = "/api"
-LONG_CONTEXT = 32768  # prompts up to 32 x this many characters get tokenized (seconds of work)
-
-
-@pytest.fixture(scope="module")
-def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
-    log = tmp_path_factory.mktemp("guarded") / "serve.log"
-    srv = RemoteServer(
-        [
-            tiny_model("qwen2", max_position_embeddings=LONG_CONTEXT),
-            "--served-model-name",
-            SERVED,
-            "--api-key",
-            API_KEY,
-            "--root-path",
-            ROOT,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            str(LONG_CONTEXT),
-            "--kv-cache-memory-bytes",
-            "32M",
-            "--disable-uvicorn-access-log",
-        ],
-        log,
-        api_key=API_KEY,
-    )
-    yield srv
-    srv.stop()
+from oai_server import ROOT, SERVED, RemoteServer
 
 
 def test_root_path_keeps_the_api_key_required(guarded):
@@ -59,7 +32,6 @@ def test_without_root_path_the_key_is_required(server):
 def _health_while(guarded: RemoteServer, send) -> tuple[httpx.Response, float]:
     """Run ``send()`` in a thread; poll /health meanwhile. -> (its response, slowest /health)."""
     import threading
-    import time
 
     box: dict = {}
     thread = threading.Thread(target=lambda: box.setdefault("r", send()))
@@ -122,3 +94,67 @@ def test_prompts_are_cut_in_request_log_lines(server):
     request_id = r.json()["id"]
     lines = [line for line in server.log().splitlines() if request_id in line]
     assert lines and all(len(line) < 800 for line in lines), max(map(len, lines))
+
+
+def test_one_request_over_the_sequence_cap_is_a_400(guarded):
+    body = {"model": SERVED, "prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
+    r = guarded.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "--max-sequences-per-request" in r.text, r.text
+    assert "9 sequences" in r.json()["error"]["message"]
+
+
+def test_a_full_queue_is_a_429_until_the_work_is_gone(guarded):
+    body = {"model": SERVED, "prompt": "Hi", "n": 4, "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    url = guarded.base_url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=guarded.headers, timeout=60) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()  # (kept: a dropped iterator closes the connection)
+        next(lines)  # 2 sequences run, 2 wait: the queue is full
+        small = {"model": SERVED, "prompt": "Hi", "max_tokens": 1}
+        r = guarded.post("/v1/completions", json=small)
+        assert r.status_code == 429 and "--max-queued-sequences" in r.text, r.text
+        chat = {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        assert guarded.post("/v1/chat/completions", json=chat).status_code == 429
+    guarded.wait_idle(timeout_s=30)  # the client left: its sequences are given back
+    assert guarded.post("/v1/completions", json=small).status_code == 200
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the server closes ``sock`` within ``seconds`` (reads what it sends meanwhile)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_that_sends_nothing_is_closed(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        assert _closed_within(sock, 6)
+
+
+def test_trickled_headers_are_cut_off(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        try:
+            for _ in range(40):  # one byte every 0.2 s would take 8 s
+                sock.sendall(b"X")
+                time.sleep(0.2)
+        except OSError:
+            pass  # closed under us: what we want
+        assert time.monotonic() - start < 6
+        assert _closed_within(sock, 3)
+
+
+def test_an_idle_keep_alive_connection_is_closed(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_within(sock, 5)

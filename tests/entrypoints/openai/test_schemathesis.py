@@ -1,5 +1,6 @@
-"""A bounded schemathesis run against the server's own OpenAPI schema: valid and invalid bodies
-for the POST operations must never produce a 5xx, and the engine must stay healthy."""
+"""A bounded schemathesis run against the server's own OpenAPI schema, over every route: valid
+and invalid requests must never produce a 5xx, with the key, without it, and behind
+``--root-path``; the engine must stay healthy."""
 
 from __future__ import annotations
 
@@ -8,42 +9,71 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-OPERATIONS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+# The shared server with its key; the same without a key (401s); the --root-path server.
+VARIANTS = {"key": ("server", True, 12), "no-key": ("server", False, 4),
+            "root-path": ("guarded", True, 4)}  # fmt: skip
+
+
+def _operations(raw: dict) -> list[tuple[str, str]]:
+    return [(path, method.upper()) for path, item in raw["paths"].items() for method in item]
 
 
 @pytest.fixture(scope="module")
-def schema(server):
-    return schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+def schemas(server, guarded):
+    return {
+        name: schemathesis.openapi.from_url(srv.base_url + "/openapi.json")
+        for name, srv in (("server", server), ("guarded", guarded))
+    }
+
+
+def test_every_route_is_covered(schemas):
+    routes = set(_operations(schemas["server"].raw_schema))
+    expected = {("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
+                ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models", "GET"),
+                ("/v1/models/{model}", "GET"), ("/health", "GET"), ("/metrics", "GET"),
+                ("/version", "GET"), ("/reset_prefix_cache", "POST")}  # fmt: skip
+    assert expected <= routes, expected - routes
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", OPERATIONS)
-def test_no_server_errors(server, schema, path, mode):
-    strategy = schema[path]["POST"].as_strategy(generation_mode=mode)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_no_server_errors(request, schemas, variant, mode):
+    which, with_key, examples = VARIANTS[variant]
+    srv = request.getfixturevalue(which)
+    schema = schemas[which]
+    headers = srv.headers if with_key else {}
     statuses: list[int] = []
+    for path, method in _operations(schema.raw_schema):
+        strategy = schema[path][method].as_strategy(generation_mode=mode)
 
-    @seed(1234)
-    @settings(
-        max_examples=12,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=strategy)
-    def run(case):
-        if isinstance(case.body, dict):  # keep generation short: the model is not under test
-            for key in ("max_tokens", "max_completion_tokens"):
-                if isinstance(case.body.get(key), int) and case.body[key] > 8:
-                    case.body[key] = 8
-            if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
-                case.body["n"] = 2
-        response = case.call(base_url=server.base_url, headers=server.headers, timeout=60)
-        statuses.append(response.status_code)
-        assert response.status_code < 500, (case.body, response.text[:500])
+        @seed(1234)
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=strategy)
+        def run(case):
+            if isinstance(case.body, dict):  # keep generation short: the model is not under test
+                for key in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(case.body.get(key), int) and case.body[key] > 8:
+                        case.body[key] = 8
+                if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
+                    case.body["n"] = 2
+            response = case.call(base_url=srv.base_url, headers=headers, timeout=60)
+            statuses.append(response.status_code)
+            assert response.status_code < 500, (path, case.body, response.text[:500])
 
-    run()
+        try:
+            run()
+        except Unsatisfiable:  # nothing to make invalid (a GET without parameters)
+            assert mode == GenerationMode.NEGATIVE
     assert statuses
-    server.wait_idle()
+    if not with_key:
+        assert 401 in statuses
+    srv.wait_idle(timeout_s=30)

@@ -79,11 +79,28 @@ def test_sigterm_lets_the_running_stream_finish(tmp_path_factory, tiny_model_pat
 
 
 def test_sigint_past_the_grace_period_aborts_and_exits_0(tmp_path_factory, tiny_model_path):
+    """Requests still open after the grace period end cleanly: a stream with an error event and
+    ``[DONE]``, a non-streaming request with a 503 JSON body; the log names the shutdown."""
     server = _start(tmp_path_factory, "abort", 0.2, tiny_model_path)
+    plain: dict = {}
+
+    def post() -> None:
+        body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
+        plain["r"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+
+    waiter = threading.Thread(target=post)
+    waiter.start()
     try:
         result = _run_stream_then_signal(server, 1000, signal.SIGINT)
+        waiter.join(timeout=60)
     finally:
         server.stop(signal.SIGKILL)
     assert result["exit_code"] == 0, server.log()[-2000:]
-    assert "data: [DONE]" not in result["chunks"]  # cut off after 0.2 s of 1000 tokens
-    assert "Received SIGINT" in server.log()
+    chunks = result["chunks"]
+    assert chunks[-1] == "data: [DONE]"  # cut off after 0.2 s of 1000 tokens, but cleanly
+    error = json.loads(chunks[-2][len("data: ") :])["error"]
+    assert error["code"] == 503 and "--shutdown-timeout" in error["message"]
+    assert plain["r"].status_code == 503 and "--shutdown-timeout" in plain["r"].text
+    log = server.log()
+    assert "Received SIGINT" in log
+    assert "abort (server shutting down)" in log and "client left" not in log

@@ -1,23 +1,23 @@
-"""CacheManager: the one face the scheduler sees of the paged KV blocks and the state slots.
+"""CacheManager: the one face the scheduler sees of the cache, over one manager per kind.
 
-Per request it keeps the block table (block ids in position order) and how many of its blocks are
-registered in the prefix cache. Token position ``p`` of a request lives in
+    CacheManager (facade)  lookup_prefix, allocate, cache_full_blocks, free, usage
+      PagedKVManager       paged.py        block tables over the shared BlockPool (attention)
+      StateSlotManager     state_slots.py  recurrent-state slots and their prefix checkpoints
+                           (NoStateSlots for models without recurrent layers)
 
-    block_ids[p // block_size], offset p % block_size
-    e.g. block_size 4, block_ids [7, 2, 9]:  positions 0-3 -> block 7, 4-7 -> block 2, 8-9 -> block 9
-
-Hybrid models (recurrent state slots) hit a cached prefix only up to a block boundary where a
-state checkpoint was saved (``state_slots.py``): the KV blocks come from the pool as usual, the
-state is copied from the checkpoint into the request's slot before its first chunk runs.
+``allocate()`` answers with everything the step needs from the cache: the request's new blocks,
+how many of the asked tokens may run (a hybrid prefill stops once at its checkpoint), its state
+slot, and the state copies the workers make before the forward pass. A new cache policy (an MTP
+draft's KV, a sliding window) is a new per-kind manager file plugged in here, not a branch in the
+scheduler (docs/structure.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from qwenserve.core.cache.block_pool import BlockPool
-from qwenserve.core.cache.hashing import extend_block_hashes
-from qwenserve.core.cache.state_slots import StateSlotManager
+from qwenserve.core.cache.paged import PagedKVManager
+from qwenserve.core.cache.state_slots import Copy, NoStateSlots, StateSlotManager
 from qwenserve.request import Request
 
 
@@ -29,163 +29,95 @@ class PrefixCacheStats:
     hits: int = 0
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """A new request's cached prefix: shared KV blocks and, on hybrid models, the state
+    checkpoint saved at their end."""
+
+    block_ids: list[int]
+    num_tokens: int
+    checkpoint_slot: int | None = None
+
+
+NO_HIT = PrefixHit([], 0)
+
+
+@dataclass
+class Allocation:
+    new_block_ids: list[int]  # appended to the request's block table (a hit's blocks first)
+    num_tokens: int  # of the asked tokens, how many run this step
+    state_slot: int | None  # the request's recurrent-state slot (hybrid models)
+    state_saves: list[Copy] = field(default_factory=list)  # live -> checkpoint, before forward
+    state_restores: list[Copy] = field(default_factory=list)  # checkpoint -> live, after saves
+
+
 class CacheManager:
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool,
-        num_state_slots: int = 0,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_state_slots: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, self.enable_prefix_caching)
-        self.state_slots = StateSlotManager(num_state_slots) if num_state_slots else None
-        self.req_blocks: dict[str, list[int]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        self.kv = PagedKVManager(num_blocks, block_size, enable_prefix_caching)
+        self.states: StateSlotManager | NoStateSlots = (
+            StateSlotManager(num_state_slots, block_size, enable_prefix_caching)
+            if num_state_slots else NoStateSlots())
         self.stats = PrefixCacheStats()
+        self._step_tokens: dict[str, int] = {}  # tokens each request runs this step
 
-    # ---- lookup -------------------------------------------------------------------------------
-    def lookup_prefix(self, req: Request) -> list[int]:
-        """Block ids of the longest cached prefix of ``req`` (at least one token left to compute)."""
-        if not self.enable_prefix_caching:
-            return []
-        tokens = req.all_token_ids
-        extend_block_hashes(req.block_hashes, tokens, self.block_size, len(tokens))
-        max_blocks = (len(tokens) - 1) // self.block_size
-        hit: list[int] = []
-        for block_hash in req.block_hashes[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hit.append(block_id)
-        if self.state_slots is not None:  # only as deep as the deepest state checkpoint
-            while hit and self.state_slots.lookup(req.block_hashes[len(hit) - 1]) is None:
-                hit.pop()
-        return hit
+    def lookup_prefix(self, req: Request) -> PrefixHit:
+        """The longest cached prefix of ``req`` (at least one token left to compute)."""
+        hit = self.states.trim_hit(req, self.kv.lookup(req))
+        return PrefixHit(hit, len(hit) * self.block_size,
+                         self.states.checkpoint_for(req, len(hit)))
 
-    def checkpoint_slot(self, req: Request, num_hit_blocks: int) -> int | None:
-        """The state checkpoint a prefix hit of ``num_hit_blocks`` blocks restores (hybrid)."""
-        if self.state_slots is None or not num_hit_blocks:
+    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None
+                 ) -> Allocation | None:
+        """Make room for up to ``num_new_tokens`` tokens after the computed ones (and after the
+        prefix ``hit`` of a request being admitted, whose blocks and checkpoint are shared, not
+        copied). None when there is no room, in which case nothing changed."""
+        start = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
+        num_tokens = self.states.limit(req, start, num_new_tokens)
+        computed = hit.block_ids if hit is not None else []
+        checkpoint = hit.checkpoint_slot if hit is not None else None
+        num_missing = self.kv.num_missing(req, start + num_tokens, computed)
+        if num_missing is None or not self.states.acquire(req.request_id, keep=checkpoint):
             return None
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
-                            num_hit_blocks * self.block_size)
-        return self.state_slots.lookup(req.block_hashes[num_hit_blocks - 1])
-
-    def restore_state(self, req: Request, checkpoint_slot: int) -> tuple[int, int]:
-        """(checkpoint slot, the request's slot): the copy the workers make before the step."""
-        assert self.state_slots is not None
-        self.state_slots.touch(checkpoint_slot)
-        return checkpoint_slot, self.state_slots.get(req.request_id)
-
-    def checkpoint_position(self, req: Request) -> int | None:
-        """Where a hybrid model's prefill should stop once to leave a state checkpoint: the last
-        block boundary before the request's last known token (a follow-up that extends this
-        prompt, e.g. the next turn of a chat, then skips all of it but the tail). None when
-        there is nothing to save."""
-        if not self.enable_prefix_caching or self.state_slots is None:
-            return None
-        position = (req.num_tokens - 1) // self.block_size * self.block_size
-        if position <= req.num_computed_tokens:
-            return None
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, position)
-        if self.state_slots.lookup(req.block_hashes[position // self.block_size - 1]) is not None:
-            return None
-        return position
-
-    def save_state(self, req: Request, num_tokens: int,
-                   taken: set[int] = frozenset()) -> tuple[int, int] | None:
-        """(the request's slot, a checkpoint slot) when its state after ``num_tokens`` tokens (a
-        block boundary) should be kept for prefix hits; None otherwise. Called once the step's
-        allocations are done, so no request of this step is handed the checkpoint slot;
-        ``taken``: checkpoint slots this step already saves into."""
-        if (not self.enable_prefix_caching or self.state_slots is None
-                or num_tokens % self.block_size or not num_tokens):
-            return None
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_tokens)
-        block_hash = req.block_hashes[num_tokens // self.block_size - 1]
-        slot = self.state_slots.reserve_checkpoint(block_hash, exclude=taken)
-        return None if slot is None else (self.state_slots.get(req.request_id), slot)
-
-    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        self.stats.queries += num_query_tokens
-        self.stats.hits += num_hit_tokens
-
-    # ---- allocation ---------------------------------------------------------------------------
-    def allocate(
-        self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None,
-        keep_slot: int | None = None,
-    ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
-
-        ``computed_blocks`` (a prefix hit, new requests only) are shared, not copied; so is the
-        state checkpoint ``keep_slot`` it restores, which is therefore not handed out as the
-        request's own slot. Returns the block ids appended to the request's table (hit blocks
-        first), or None when there is not enough room, in which case nothing changed.
-        """
-        computed_blocks = computed_blocks or []
-        blocks = self.req_blocks.get(req.request_id, [])
-        num_tokens = (
-            req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        )
-        num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
-        # Hit blocks that are free still count in the free queue but are not available for reuse.
-        num_revived = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
-        if max(num_needed, 0) > self.pool.num_free_blocks - num_revived:
-            return None
-        if (self.state_slots is not None
-                and self.state_slots.acquire(req.request_id, keep=keep_slot) is None):
-            return None
-        self.pool.touch(computed_blocks)
-        new_blocks = computed_blocks + self.pool.allocate(max(num_needed, 0))
-        if req.request_id not in self.req_blocks:
-            self.req_blocks[req.request_id] = []
-            self.num_cached_blocks[req.request_id] = len(computed_blocks)
-        self.req_blocks[req.request_id].extend(new_blocks)
-        return new_blocks
+        out = Allocation(self.kv.allocate(req, computed, num_missing), num_tokens,
+                         self.states.get(req.request_id), self.states.drain_saves())
+        if hit is not None:
+            self.stats.queries += req.num_tokens
+            self.stats.hits += hit.num_tokens
+        if checkpoint is not None:
+            out.state_restores.append(self.states.restore(req.request_id, checkpoint))
+        self._step_tokens[req.request_id] = num_tokens
+        return out
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly completed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        blocks = self.req_blocks.get(req.request_id)
-        if not blocks:
-            return
-        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
-        start = self.num_cached_blocks[req.request_id]
-        if num_full <= start:
-            return
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
-                            num_full * self.block_size)
-        for i in range(start, num_full):
-            self.pool.cache(blocks[i], req.block_hashes[i])
-        self.num_cached_blocks[req.request_id] = num_full
+        """After the step computed ``req``'s tokens: register its newly full blocks in the prefix
+        cache, and checkpoint its state where a prefill chunk ended on a block boundary."""
+        self.kv.cache_full_blocks(req)
+        self.states.after_compute(req, self._step_tokens.pop(req.request_id, 0))
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks (last block first) and its state slot."""
-        blocks = self.req_blocks.pop(req.request_id, None)
-        self.num_cached_blocks.pop(req.request_id, None)
-        if blocks:
-            self.pool.free(blocks[::-1])
-        if self.state_slots is not None:
-            self.state_slots.release(req.request_id)
-
-    # ---- queries ------------------------------------------------------------------------------
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.req_blocks.get(request_id, [])
-
-    def state_slot(self, request_id: str) -> int | None:
-        return self.state_slots.get(request_id) if self.state_slots is not None else None
+        """Release the request's blocks and its state slot."""
+        self.kv.free(req.request_id)
+        self.states.release(req.request_id)
+        self._step_tokens.pop(req.request_id, None)
 
     def usage(self) -> float:
         """KV usage 0..1 (state-slot usage for models without paged layers)."""
-        if self.pool.num_blocks == 0 and self.state_slots is not None:
-            return self.state_slots.usage()
-        return self.pool.usage()
+        if self.kv.pool.num_blocks == 0:
+            return self.states.usage()
+        return self.kv.pool.usage()
+
+    # ---- for the engine and the tests --------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.block_ids(request_id)
+
+    def state_slot(self, request_id: str) -> int | None:
+        return self.states.get(request_id)
 
     def reset_prefix_cache(self) -> bool:
-        if not self.pool.reset_prefix_cache():
+        if not self.kv.pool.reset_prefix_cache():
             return False
-        if self.state_slots is not None:
-            self.state_slots.reset()
+        self.states.reset()
         return True

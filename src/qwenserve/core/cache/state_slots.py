@@ -12,16 +12,74 @@ the number of sequences that can run at once is unchanged.
 
     idle queue (evicted first -> last):  [3: empty] [5: ckpt h7] [2: ckpt h9]
     acquire("r") -> slot 3;  save(h11) -> slot 5 (h7 evicted);  lookup(h9) -> slot 2
+
+The checkpoint rules live here too, behind the ``CacheManager`` facade:
+
+- ``limit``: a prefill stops once at the request's *checkpoint position*, the last block boundary
+  before its last known token (one extra small step), so its state can be saved there; a
+  follow-up that extends the prompt (a chat's next turn) then skips all of it but the tail.
+- ``after_compute``: a prefill chunk that ended on a block boundary reserves a checkpoint slot;
+  the copy (live slot -> checkpoint) goes out with the next step's allocation, and the workers
+  make it before that step's forward pass, when the live slot still holds that state. Copies
+  run saves first, then restores, so a restore may read a checkpoint saved the same step.
+- ``trim_hit`` / ``checkpoint_for`` / ``restore``: a prefix hit only reaches as deep as a
+  checkpoint, whose state is copied into the request's own slot before its first chunk runs.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from qwenserve.core.cache.hashing import extend_block_hashes
+from qwenserve.request import Request
+
+Copy = tuple[int, int]  # (source slot, destination slot)
+
+
+class NoStateSlots:
+    """The state-slot manager of a model without recurrent layers: nothing to hold or save."""
+
+    def trim_hit(self, req: Request, hit: list[int]) -> list[int]:
+        return hit
+
+    def checkpoint_for(self, req: Request, num_hit_blocks: int) -> int | None:
+        return None
+
+    def limit(self, req: Request, start: int, num_new: int) -> int:
+        return num_new
+
+    def acquire(self, request_id: str, keep: int | None = None) -> bool:
+        return True
+
+    def get(self, request_id: str) -> int | None:
+        return None
+
+    def restore(self, request_id: str, checkpoint: int) -> Copy:
+        raise AssertionError("no recurrent state to restore")
+
+    def after_compute(self, req: Request, num_step_tokens: int) -> None:
+        """Nothing to checkpoint."""
+
+    def drain_saves(self) -> list[Copy]:
+        return []
+
+    def release(self, request_id: str) -> None:
+        """No slot to return."""
+
+    def reset(self) -> None:
+        """No checkpoints to forget."""
+
+    def usage(self) -> float:
+        return 0.0
+
 
 class StateSlotManager:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, block_size: int = 16,
+                 enable_prefix_caching: bool = False) -> None:
         self.num_slots = num_slots
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pending_saves: list[Copy] = []  # reserved, not yet handed to the workers
         # Idle slots in eviction order (OrderedDict as an ordered set).
         self.idle: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_slots))
         self.req_to_slot: dict[str, int] = {}
@@ -35,20 +93,20 @@ class StateSlotManager:
     def get(self, request_id: str) -> int | None:
         return self.req_to_slot.get(request_id)
 
-    def acquire(self, request_id: str, keep: int | None = None) -> int | None:
-        """The request's slot, assigning one if it has none; None when all are taken. ``keep``
-        (a checkpoint about to be restored into this request) is not handed out."""
-        slot = self.req_to_slot.get(request_id)
-        if slot is not None:
-            return slot
-        candidates = (s for s in self.idle if s != keep)
-        slot = next(candidates, None)
+    def acquire(self, request_id: str, keep: int | None = None) -> bool:
+        """Give the request a slot if it has none; False when all are taken. ``keep`` (a
+        checkpoint about to be restored into this request) is not handed out."""
+        if request_id in self.req_to_slot:
+            return True
+        slot = next((s for s in self.idle if s != keep), None)
         if slot is None:
-            return None
+            return False
         del self.idle[slot]
         self._forget_checkpoint(slot)
+        # A live request outranks a checkpoint not copied yet: drop that save.
+        self.pending_saves = [c for c in self.pending_saves if c[1] != slot]
         self.req_to_slot[request_id] = slot
-        return slot
+        return True
 
     def release(self, request_id: str) -> None:
         """Return a live slot; its state is mid-sequence, worth nothing, so it is reused first."""
@@ -69,8 +127,8 @@ class StateSlotManager:
     def reserve_checkpoint(self, block_hash: bytes, exclude: set[int] = frozenset()) -> int | None:
         """An idle slot to copy a state into, registered under ``block_hash`` (the least recently
         used idle slot outside ``exclude``, evicting its checkpoint). None when the hash is
-        already saved or no slot is free for it. The copy must happen before the next step is
-        scheduled; ``exclude`` holds the slots this step already copies into."""
+        already saved or no slot is free for it. The copy must happen before the next forward
+        pass; ``exclude`` holds the slots that copies not made yet read or write."""
         if block_hash in self.checkpoints:
             return None
         slot = next((s for s in self.idle if s not in exclude), None)
@@ -86,6 +144,7 @@ class StateSlotManager:
         """Forget every checkpoint (``/reset_prefix_cache``)."""
         self.checkpoints.clear()
         self.checkpoint_hash.clear()
+        self.pending_saves.clear()
 
     def _forget_checkpoint(self, slot: int) -> None:
         block_hash = self.checkpoint_hash.pop(slot, None)
@@ -95,3 +154,60 @@ class StateSlotManager:
     def usage(self) -> float:
         usable = self.num_slots - 1
         return len(self.req_to_slot) / usable if usable > 0 else 0.0
+
+    # ---- checkpoint rules (hybrid prefix caching) -------------------------------------------
+    def _hash_at(self, req: Request, num_tokens: int) -> bytes:
+        """The prefix hash of the block that ends at ``num_tokens`` (a block boundary)."""
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_tokens)
+        return req.block_hashes[num_tokens // self.block_size - 1]
+
+    def trim_hit(self, req: Request, hit: list[int]) -> list[int]:
+        """A KV prefix hit, cut back to the deepest block with a state checkpoint at its end."""
+        while hit and self.lookup(req.block_hashes[len(hit) - 1]) is None:
+            hit = hit[:-1]
+        return hit
+
+    def checkpoint_for(self, req: Request, num_hit_blocks: int) -> int | None:
+        """The checkpoint a prefix hit of ``num_hit_blocks`` blocks restores."""
+        if not num_hit_blocks:
+            return None
+        return self.lookup(self._hash_at(req, num_hit_blocks * self.block_size))
+
+    def checkpoint_position(self, req: Request) -> int | None:
+        """Where the request's prefill should stop once to leave a checkpoint (see the module
+        docstring); None when there is nothing new to save."""
+        if not self.enable_prefix_caching:
+            return None
+        position = (req.num_tokens - 1) // self.block_size * self.block_size
+        if position <= req.num_computed_tokens or self.lookup(self._hash_at(req, position)):
+            return None
+        return position
+
+    def limit(self, req: Request, start: int, num_new: int) -> int:
+        """How many of ``num_new`` tokens from ``start`` may run: a prefill stops at the
+        request's checkpoint position."""
+        position = self.checkpoint_position(req) if num_new > 1 else None
+        if position is not None and start < position < start + num_new:
+            return position - start
+        return num_new
+
+    def restore(self, request_id: str, checkpoint: int) -> Copy:
+        """(checkpoint, the request's slot): the copy the workers make before the step."""
+        self.touch(checkpoint)
+        return checkpoint, self.req_to_slot[request_id]
+
+    def after_compute(self, req: Request, num_step_tokens: int) -> None:
+        """Reserve a checkpoint when a prefill chunk (``num_step_tokens`` > 1) ended on a block
+        boundary; the copy goes out with the next allocation (``drain_saves``)."""
+        end, slot = req.num_computed_tokens, self.req_to_slot.get(req.request_id)
+        if (not self.enable_prefix_caching or num_step_tokens <= 1 or not end
+                or end % self.block_size or slot is None):
+            return
+        busy = {s for copy in self.pending_saves for s in copy}  # sources may be idle by now
+        checkpoint = self.reserve_checkpoint(self._hash_at(req, end), exclude=busy)
+        if checkpoint is not None:
+            self.pending_saves.append((slot, checkpoint))
+
+    def drain_saves(self) -> list[Copy]:
+        saves, self.pending_saves = self.pending_saves, []
+        return saves

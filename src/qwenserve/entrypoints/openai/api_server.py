@@ -13,6 +13,7 @@ aborts the rest, and exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
@@ -77,6 +78,8 @@ def _options(args: argparse.Namespace, model_name: str) -> Any:
         generation_overrides=dict(args.override_generation_config or {}),
         generation_config=args.generation_config or "auto",
         structured_outputs=parse_structured_outputs_config(args.structured_outputs_config),
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_queued_sequences=args.max_queued_sequences,
     )
 
 
@@ -112,6 +115,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         state.model_name,
         state.max_model_len,
         show_hidden=args.show_hidden_metrics_for_version is not None,
+        speculative=config.speculative is not None,
     )
     plan = engine.plan
     prom.log_cache_config(
@@ -207,6 +211,12 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
     return app
 
 
+def _http_protocol() -> Any:
+    from qwenserve.entrypoints.openai.http_protocol import protocol_with_header_timeout
+
+    return protocol_with_header_timeout(envs.http_header_timeout_s())
+
+
 def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> bool:
     """Serve until SIGTERM/SIGINT, or until the engine dies; True in the latter case."""
     import uvicorn
@@ -221,9 +231,15 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
                     args.shutdown_timeout,
                     state.engine.num_unfinished_requests(),
                 )
+                if self.qs_loop is not None:  # past the grace period, requests end cleanly
+                    grace = args.shutdown_timeout
+                    self.qs_loop.call_soon_threadsafe(state.start_grace_period, grace)
             super().handle_exit(sig, frame)
 
+        qs_loop: asyncio.AbstractEventLoop | None = None
+
         async def startup(self, sockets: Any = None) -> None:
+            self.qs_loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
             if self.started:  # uvicorn prints this only for sockets it binds itself
                 host, port = sock.getsockname()[:2]
@@ -236,8 +252,10 @@ def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -
         app,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=envs.http_timeout_keep_alive_s(),
+        http=_http_protocol(),
+        # uvicorn's own cut-off comes later than ours (ServerState.stopping), as a backstop.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path or "",

@@ -6,6 +6,7 @@ app around a scripted engine and drive it in-process.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -19,8 +20,9 @@ from qwenserve.entrypoints.openai import (
     serving_chat_stream,
     serving_completion,
     serving_models,
+    serving_pooling,
 )
-from qwenserve.entrypoints.openai.errors import OpenAIError, error_body
+from qwenserve.entrypoints.openai.errors import OpenAIError, error_body, internal_error
 from qwenserve.entrypoints.openai.middleware import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -134,14 +136,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     )
     await check_grammar(state, [p.params for p in job.prompts], job.constraint_source)
     if not body.stream:
-        result = await cancel_on_disconnect(request, serving_completion.complete(state, job))
+        result = await cancel_on_disconnect(
+            request, serving_completion.complete(state, job), state.stopping
+        )
         return JSONResponse(result) if result is not None else Response(status_code=499)
     merged = serving_completion.start_stream(state, job)
-    first = await _first_output(request, merged)
+    first = await _first_output(request, merged, state.stopping)
     if first is None:
         return Response(status_code=499)
     return DisconnectAwareStreamingResponse(
-        serving_completion.stream_completion(state, job, first, merged)
+        serving_completion.stream_completion(state, job, first, merged), state.stopping
     )
 
 
@@ -153,23 +157,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         serving_chat.prepare_chat, state, body, request.headers.get("x-request-id")
     )
     await check_grammar(state, [job.params], job.constraint_source)
-    agen = state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text)
+    state.admission.check(body.n)
+    agen = state.admission.admit(
+        state.engine.generate(job.prompt_ids, job.params, job.engine_id, prompt=job.prompt_text),
+        body.n,
+    )
     if not body.stream:
-        result = await cancel_on_disconnect(request, serving_chat.chat_complete(state, job, agen))
+        result = await cancel_on_disconnect(
+            request, serving_chat.chat_complete(state, job, agen), state.stopping
+        )
         return JSONResponse(result) if result is not None else Response(status_code=499)
-    first = await _first_output(request, agen)
+    first = await _first_output(request, agen, state.stopping)
     if first is None:
         return Response(status_code=499)
     return DisconnectAwareStreamingResponse(
-        serving_chat_stream.stream_chat(state, job, first, agen)
+        serving_chat_stream.stream_chat(state, job, first, agen), state.stopping
     )
 
 
-async def _first_output(request: Request, agen: Any) -> Any:
+async def _first_output(request: Request, agen: Any, stop: asyncio.Event) -> Any:
     """Wait for the first output before answering 200, so that a request the engine refuses
     gets a plain 400 rather than an error inside an event stream. None: the client left."""
     try:
-        first = await cancel_on_disconnect(request, agen.__anext__())
+        first = await cancel_on_disconnect(request, agen.__anext__(), stop)
     except StopAsyncIteration:
         first = None
     except Exception as e:
@@ -223,11 +233,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("Unexpected error while serving a request")
-        return JSONResponse(
-            error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500), status_code=500
-        )
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        error = internal_error(logger, f"Unexpected error serving {request.url.path}", exc)
+        return JSONResponse(error.body(), status_code=500)
 
 
 def build_app(
@@ -249,6 +257,7 @@ def build_app(
     app.state.server = state
     app.state.registry = registry
     app.include_router(router)
+    app.include_router(serving_pooling.router)  # /v1/embeddings, /score, /rerank
     if dev_mode:
         app.include_router(dev_router)
     _install_error_handlers(app)

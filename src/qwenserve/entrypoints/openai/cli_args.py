@@ -16,8 +16,14 @@ import types
 from typing import Any
 
 from qwenserve.engine.arg_utils import EngineArgs, human_readable_int
+from qwenserve.entrypoints.openai.cli_data_parallel import (
+    add_data_parallel_flags,
+    data_parallel_problem,
+)
+from qwenserve.entrypoints.openai.cli_spellings import canonical_flag_spellings
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
+from qwenserve.spec_decode.config import parse_speculative_config
 from qwenserve.structured_output.config import (
     fold_dotted_flags,
     parse_structured_outputs_config,
@@ -29,20 +35,13 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--uds",), {}, (None,)),
     (("--kv-cache-dtype",), {}, (None, "auto")),
     (("--pipeline-parallel-size", "-pp"), {"type": int}, (None, 1)),
-    (("--data-parallel-size", "-dp"), {"type": int}, (None, 1)),
     (("--distributed-executor-backend",), {}, (None, "mp", "uni")),
     (("--enable-chunked-prefill",), {"action": BOOL}, (None, True)),
-    (("--async-scheduling",), {"action": BOOL}, (None, False)),
     (("--scheduling-policy",), {}, (None, "fcfs")),
-    (("--load-format",), {}, (None, "auto")),
     (("--tokenizer-mode",), {}, (None, "auto", "hf")),
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
-    (("--speculative-config",), {}, (None,)),
-    (("--compilation-config", "-cc"), {}, (None,)),
-    (("--additional-config",), {}, (None,)),
-    (("--hf-overrides",), {}, (None,)),
     (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
@@ -51,6 +50,7 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
     (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
     (("--headless",), {"action": BOOL}, (None, False)),
+    (("--safetensors-load-strategy",), {}, (None, "lazy")),  # qwenserve maps shards lazily
 )
 
 
@@ -59,26 +59,25 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
 VLLM_ONLY_FLAGS = frozenset(
     """
     --all2all-backend --allowed-local-media-path --allowed-media-domains --calculate-kv-scales
-    --code-revision --collect-detailed-traces --config-format --convert --cpu-offload-params
-    --cuda-graph-sizes --data-parallel-address --data-parallel-backend --data-parallel-rank
-    --data-parallel-rpc-port --data-parallel-size-local --data-parallel-start-rank
+    --code-revision --collect-detailed-traces --config-format --cpu-offload-params
+    --cuda-graph-sizes --data-parallel-backend
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
     --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
-    --disable-sliding-window --enable-dbo --enable-eplb --enable-expert-parallel
+    --disable-sliding-window --enable-dbo --enable-eplb
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
     --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none --fully-sharded-loras
     --h11-max-header-count --h11-max-incomplete-event-size --hf-config-path --hf-token
     --ignore-patterns --kv-events-config --limit-mm-per-prompt --log-config-file
     --log-error-stack --logits-processors --logprobs-mode --long-prefill-token-threshold
-    --mamba-ssm-cache-dtype --max-cpu-loras --max-long-partial-prefills --max-lora-rank
+    --max-cpu-loras --max-long-partial-prefills --max-lora-rank
     --max-loras --max-num-partial-prefills --max-parallel-loading-workers
     --max-seq-len-to-capture --middleware --mm-encoder-tp-mode --mm-processor-cache-gb
     --mm-processor-kwargs --model-impl --model-loader-extra-config --num-lookahead-slots
     --num-scheduler-steps --otlp-traces-endpoint --override-pooler-config --pooler-config
     --preemption-mode --prefix-caching-hash-algo --pt-load-map-location
-    --ray-workers-use-nsight --rope-scaling --rope-theta --runner --scheduler-cls
-    --skip-tokenizer-init --ssl-ca-certs --ssl-cert-reqs --stream-interval --task
+    --ray-workers-use-nsight --rope-scaling --rope-theta --scheduler-cls
+    --skip-tokenizer-init --ssl-ca-certs --ssl-cert-reqs --stream-interval
     --tokenizer-revision --tokens-only --tool-server --use-tqdm-on-load --worker-cls
     --worker-extension-cls
     """.split()
@@ -201,6 +200,24 @@ FRONTEND_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         },
     ),
     (
+        "--max-sequences-per-request",
+        {
+            "type": int,
+            "default": 512,
+            "help": "Most sequences (prompts x n) one request may ask for; more is a 400 "
+            "(qwenserve; default 512).",
+        },
+    ),
+    (
+        "--max-queued-sequences",
+        {
+            "type": int,
+            "default": 4096,
+            "help": "Most sequences waiting for a batch slot (beyond --max-num-seqs running); a "
+            "request that would pass it gets 429 (qwenserve; default 4096).",
+        },
+    ),
+    (
         "--shutdown-timeout",
         {
             "type": float,
@@ -285,6 +302,9 @@ def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
     )
     for names, kwargs, _ in UNIMPLEMENTED:
         g.add_argument(*names, default=None, help=argparse.SUPPRESS, **kwargs)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help=argparse.SUPPRESS)
+    add_data_parallel_flags(g)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -325,8 +345,10 @@ def run(args: argparse.Namespace) -> int:
 def _parse_known_args(
     self: argparse.ArgumentParser, args: Any = None, namespace: Any = None
 ) -> tuple[argparse.Namespace, list[str]]:
-    argv = fold_dotted_flags(list(sys.argv[1:] if args is None else args),
-                             "--structured-outputs-config")
+    argv = canonical_flag_spellings(list(sys.argv[1:] if args is None else args))
+    argv = fold_dotted_flags(argv, "--structured-outputs-config")
+    argv = fold_dotted_flags(argv, "--compilation-config")
+    argv = fold_dotted_flags(argv, "--speculative-config")
     _maybe_filtered_help(self, argv)
     config_argv, config_model = read_config(self, argv)
     if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
@@ -442,6 +464,8 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         if value not in accepted:
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
             return f"{names[0]} {shown} is not implemented yet in qwenserve; remove it"
+    if problem := data_parallel_problem(ns):
+        return problem
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         return f"the model is given twice ({ns.model_tag} and --model {ns.model}); give it once"
     if ns.tool_call_parser and ns.tool_call_parser not in TOOL_PARSERS:
@@ -455,6 +479,7 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         return "--enable-auto-tool-choice requires --tool-call-parser"
     try:
         structured = parse_structured_outputs_config(ns.structured_outputs_config)
+        parse_speculative_config(ns.speculative_config)
     except ValueError as e:
         return str(e)
     if structured.reasoning_parser and not ns.reasoning_parser:
@@ -474,6 +499,12 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         ns.override_generation_config, dict
     ):
         return "--override-generation-config must be a JSON object"
+    if ns.max_sequences_per_request < 1:
+        return "--max-sequences-per-request must be >= 1"
+    if ns.max_queued_sequences < 0:
+        return "--max-queued-sequences must be >= 0"
+    if ns.max_log_len is not None and ns.max_log_len < 0:
+        return "--max-log-len must be >= 0 characters"
     if ns.shutdown_timeout < 0:
         return "--shutdown-timeout must be >= 0 seconds"
     return None

@@ -7,6 +7,8 @@ since v0.10.1, with ``type`` naming the error class (``BadRequestError``, ``NotF
 
 from __future__ import annotations
 
+import logging
+import uuid
 from http import HTTPStatus
 from typing import Any
 
@@ -20,6 +22,7 @@ ERROR_TYPES = {
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -86,3 +89,14 @@ def context_length_error(
 
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+
+def internal_error(
+    logger: logging.Logger, what: str, exc: BaseException, status: int = 500
+) -> OpenAIError:
+    """An unexpected failure: the traceback goes to the log under a reference id; the client
+    gets only the id (exception types and messages can leak paths, keys or internals)."""
+    reference = uuid.uuid4().hex[:12]
+    logger.error("%s (reference %s)", what, reference, exc_info=(type(exc), exc, exc.__traceback__))
+    message = f"Internal error, reference {reference}; the server log has the details"
+    return OpenAIError(message, status)

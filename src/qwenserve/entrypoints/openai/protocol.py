@@ -9,12 +9,35 @@ Responses are plain dicts built by the serving modules (cheaper per streamed chu
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MAX = 2**63 - 1
 MAX_N = 128  # n copies run as n sequences; a cap keeps one request from swamping the engine
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in a parsed JSON body a lone surrogate (``"\\ud800"``) sits, or None. JSON allows
+    them, Unicode does not: the tokenizer and the UTF-8 response encoder both fail on them."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return where or "body"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return where or "body"
+                stack.append((f"{where}.{key}" if where else str(key), sub))
+        elif isinstance(item, list):
+            stack.extend((f"{where}.{i}" if where else str(i), sub) for i, sub in enumerate(item))
+    return None
 
 
 class OpenAIBaseModel(BaseModel):
@@ -22,6 +45,21 @@ class OpenAIBaseModel(BaseModel):
 
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
+
+
+class RequestBody(OpenAIBaseModel):
+    """A whole request body: checked once for text that is not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise ValueError(
+                f"{where} contains a lone UTF-16 surrogate (such as \\ud800), which is not "
+                "valid Unicode; send UTF-8 text"
+            )
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -50,7 +88,7 @@ class StructuredOutputsRequest(BaseModel):
     whitespace_pattern: str | None = None
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -154,14 +192,14 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestBody):
     model: str | None = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
@@ -173,6 +211,6 @@ class TokenizeChatRequest(OpenAIBaseModel):
     tools: list[ChatTool] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -325,7 +325,7 @@ async def chat_complete(
         async for out in agen:
             final = out
     except asyncio.CancelledError:
-        log_chat(state, job, None, "abort (client left)")
+        log_chat(state, job, None, state.abort_reason())
         raise
     except Exception as e:
         log_chat(state, job, None, "error")

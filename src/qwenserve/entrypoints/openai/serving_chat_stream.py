@@ -68,7 +68,7 @@ async def stream_chat(
             yield sse({**_chunk(job, []), "usage": usage_body})
         log_chat(state, job, usage_body, ",".join(finishes))
     except (GeneratorExit, asyncio.CancelledError):
-        log_chat(state, job, None, "abort (client left)")
+        log_chat(state, job, None, state.abort_reason())
         raise
     except Exception as e:
         yield sse(engine_error(e).body())

@@ -103,8 +103,12 @@ def prepare_completion(
 
 
 def _generators(state: ServerState, job: CompletionJob) -> list[AsyncIterator[RequestOutput]]:
+    state.admission.check(len(job.prompts) * job.n)
     return [
-        state.engine.generate(p.token_ids, p.params, f"{job.engine_id}-{i}", prompt=p.text)
+        state.admission.admit(
+            state.engine.generate(p.token_ids, p.params, f"{job.engine_id}-{i}", prompt=p.text),
+            job.n,
+        )
         for i, p in enumerate(job.prompts)
     ]
 
@@ -157,7 +161,7 @@ async def complete(state: ServerState, job: CompletionJob) -> dict[str, Any]:
         async for i, out in merge_async_iterators(*_generators(state, job)):
             finals[i] = out
     except asyncio.CancelledError:
-        _log(state, job, None, "abort (client left)")
+        _log(state, job, None, state.abort_reason())
         raise
     except Exception as e:
         _log(state, job, None, "error")
@@ -256,7 +260,7 @@ async def stream_completion(
             yield sse({**_chunk(job, []), "usage": usage_body})
         _log(state, job, usage_body, ",".join(stream.finishes))
     except (GeneratorExit, asyncio.CancelledError):
-        _log(state, job, None, "abort (client left)")
+        _log(state, job, None, state.abort_reason())
         raise
     except Exception as e:
         yield sse(engine_error(e).body())

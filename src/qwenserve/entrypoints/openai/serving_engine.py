@@ -15,11 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+from qwenserve.entrypoints.openai.admission import Admission
 from qwenserve.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
     context_length_error,
     from_value_error,
+    internal_error,
     model_not_found,
 )
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest
@@ -68,6 +70,8 @@ class ServingOptions:
     generation_overrides: dict[str, Any] = field(default_factory=dict)
     generation_config: str = "auto"  # --generation-config: auto | vllm | a folder
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    max_sequences_per_request: int = 512  # prompts x n of one request
+    max_queued_sequences: int = 4096  # sequences waiting for a batch slot, all requests
 
 
 class ServerState:
@@ -96,6 +100,14 @@ class ServerState:
         )
         self.created = int(time.time())
         self.draining = False
+        # Set once SIGTERM's grace period (--shutdown-timeout) is over: requests still open end
+        # with a 503 or an SSE error event instead of being cut.
+        self.stopping = asyncio.Event()
+        self.admission = Admission(
+            options.max_sequences_per_request,
+            options.max_queued_sequences,
+            int(getattr(config.scheduler, "max_num_seqs", 256)),
+        )
         self._counter = itertools.count()
         self._grammars: GrammarService | None = None
         self._grammars_lock = threading.Lock()  # first use may come from two pool threads
@@ -104,6 +116,14 @@ class ServerState:
         self._cpu_pool = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="qwenserve-cpu"
         )
+
+    def start_grace_period(self, grace_s: float) -> None:
+        """Called on the event loop when SIGTERM/SIGINT arrives."""
+        asyncio.get_running_loop().call_later(grace_s, self.stopping.set)
+
+    def abort_reason(self) -> str:
+        """What the request log line says when a request ends early."""
+        return "abort (server shutting down)" if self.stopping.is_set() else "abort (client left)"
 
     async def offload(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run CPU-heavy request work (tokenize, render, detokenize) off the event loop."""
@@ -258,9 +278,11 @@ def build_sampling_params(
 
 def engine_error(error: BaseException) -> OpenAIError:
     """An exception from ``AsyncEngine.generate`` -> the client's error."""
+    if isinstance(error, OpenAIError):
+        return error
     if isinstance(error, ValueError):
         return from_value_error(error)
-    return OpenAIError(f"The engine is not running: {error}", 503)
+    return internal_error(logger, "A request failed in the engine", error, 503)
 
 
 # ---- logprobs ---------------------------------------------------------------------------------

@@ -5,11 +5,16 @@ streaming response races the body against ``http.disconnect`` (for every ASGI ve
 the pre-2.4 path Starlette takes on its own) and always closes the body iterator, which closes
 the engine's generator, which aborts the request. Non-streaming handlers run under
 ``cancel_on_disconnect`` for the same effect.
+
+Past ``--shutdown-timeout`` the server's ``stop`` event fires: an open stream ends with an SSE
+error event and ``[DONE]``, a waiting non-streaming request gets a 503 JSON body, so clients
+learn why instead of seeing a cut connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -17,7 +22,9 @@ from typing import Any, TypeVar
 import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from qwenserve.entrypoints.openai.errors import OpenAIError, error_body
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
@@ -43,23 +50,53 @@ class ChunkEncoder:
         return self._prefix + _dumps(fields)[1:] + "\n\n"
 
 
+SHUTDOWN_MESSAGE = (
+    "The server is shutting down and aborted this request after its grace period "
+    "(--shutdown-timeout); retry on another replica"
+)
+
+
+def shutdown_error_body() -> dict[str, Any]:
+    return error_body(SHUTDOWN_MESSAGE, 503)
+
+
 class DisconnectAwareStreamingResponse(StreamingResponse):
-    """``text/event-stream`` whose body is cancelled and closed when the client disconnects."""
+    """``text/event-stream`` whose body is cancelled and closed when the client disconnects,
+    or ended with an error event and ``[DONE]`` when ``stop`` fires (shutdown)."""
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: AsyncIterator[str], stop: asyncio.Event | None = None) -> None:
+        super().__init__(content)
+        self.stop = stop
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = stopped = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         try:
             async with anyio.create_task_group() as tg:
 
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(tracking_send)
                     except OSError:  # the client vanished while we were sending
                         pass
                     tg.cancel_scope.cancel()
 
+                async def watch_stop() -> None:
+                    nonlocal stopped
+                    await self.stop.wait()  # type: ignore[union-attr]
+                    stopped = True
+                    tg.cancel_scope.cancel()
+
                 tg.start_soon(stream)
+                if self.stop is not None:
+                    tg.start_soon(watch_stop)
                 await _wait_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
@@ -67,6 +104,10 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+        if stopped and started:
+            end = (sse(shutdown_error_body()) + DONE).encode()
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": end, "more_body": False})
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -76,20 +117,29 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+async def cancel_on_disconnect(
+    request: Request, work: Awaitable[T], stop: asyncio.Event | None = None
+) -> T | None:
     """Run ``work``; if the client disconnects first, cancel it (aborting its engine requests)
-    and return None (nobody is left to read a response)."""
+    and return None (nobody is left to read a response). If ``stop`` fires first (shutdown past
+    its grace period), cancel it and raise a 503."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    stopper = asyncio.ensure_future(stop.wait() if stop is not None else asyncio.Event().wait())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {task, watcher, stopper}, return_when=asyncio.FIRST_COMPLETED
+        )
         if task in done:
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        if stopper in done:
+            raise OpenAIError(SHUTDOWN_MESSAGE, 503)
         return None
     finally:
         watcher.cancel()
+        stopper.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

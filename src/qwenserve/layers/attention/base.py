@@ -48,9 +48,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, num_slots, Hkv, D] -> out [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, num_kv_slots, Hkv, D] -> out [T, Hq, D]."""
 
 
-def slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat cache slots of positions ``[start, end)``: ``block_ids[p // bs] * bs + p % bs``."""
+def kv_slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat KV slots of positions ``[start, end)``: ``block_ids[p // bs] * bs + p % bs``."""
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]

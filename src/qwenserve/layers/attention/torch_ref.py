@@ -27,7 +27,7 @@ from qwenserve.layers.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     ChunkLayout,
-    slot_ids,
+    kv_slot_ids,
 )
 
 
@@ -41,7 +41,7 @@ class PrefillSpan:
 
 @dataclass
 class TorchRefMetadata(AttentionMetadata):
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] KV slot of each new token (vLLM's name)
     block_size: int
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
     decode_blocks: torch.Tensor | None  # [num_decodes, Bmax]
@@ -66,7 +66,7 @@ class TorchRefBackend(AttentionBackend):
                        device: torch.device) -> TorchRefMetadata:
         slots: list[int] = []
         for c in chunks:
-            slots += slot_ids(c.block_ids, c.start_pos, c.ctx_len, block_size)
+            slots += kv_slot_ids(c.block_ids, c.start_pos, c.ctx_len, block_size)
         decodes = [c for c in chunks if c.q_len == 1]
         if any(c.q_len == 1 for c in chunks[len(decodes):]) or chunks[: len(decodes)] != decodes:
             raise ValueError("single-token chunks must come first in the batch")
@@ -106,7 +106,7 @@ class TorchRefBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchRefMetadata, scale: float) -> torch.Tensor:
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)  # [num_slots, Hkv, D]
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)  # [num_kv_slots, Hkv, D]
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -130,8 +130,8 @@ def _context_blocks(c: ChunkLayout, block_size: int) -> list[int]:
 def _gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor,
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the given blocks, laid end to end: ([len(blocks) * bs, Hkv, D],) * 2."""
-    _, num_slots, num_kv_heads, head_dim = kv_cache.shape
-    by_block = kv_cache.view(2, num_slots // block_size, block_size, num_kv_heads, head_dim)
+    _, num_kv_slots, num_kv_heads, head_dim = kv_cache.shape
+    by_block = kv_cache.view(2, num_kv_slots // block_size, block_size, num_kv_heads, head_dim)
     flat = blocks.reshape(-1)
     k, v = (by_block[i].index_select(0, flat).view(-1, num_kv_heads, head_dim) for i in (0, 1))
     return k, v

@@ -2,16 +2,18 @@
 
 A step packs every scheduled request "varlen": the new tokens of all requests are concatenated
 into one ``[num_tokens, ...]`` tensor, and ``query_start_loc`` marks each request's span. Each
-request owns one slot in the per-layer state pools; ``has_initial_state`` says whether that slot
+request owns one state slot in the per-layer state pools; ``has_initial_state`` says whether that slot
 already holds the state after the request's computed tokens (chunked-prefill continuation or
 decode) or must be read as zeros (a fresh request: the slot may hold a previous owner's leftovers).
 Never pad inside a request: a padded step still decays the state and shifts the conv window.
 
 State pools, per Gated DeltaNet layer (allocated by the cache layer, indexed by ``state_slots``):
 
-    conv_state  [num_slots, K-1, conv_dim]   model dtype   the last K-1 raw (pre-conv) inputs,
-                                                           oldest row first (vLLM's "SD" layout)
-    ssm_state   [num_slots, Hv, Dk, Dv]      float32       S of  o_t = S_t^T q_t  (HF's layout)
+    conv_state  [num_state_slots, K-1, conv_dim]  model dtype  the last K-1 raw (pre-conv)
+                                                             inputs, oldest row first
+                                                             (vLLM's "SD" layout)
+    ssm_state   [num_state_slots, Hv, Dk, Dv]     float32      S of  o_t = S_t^T q_t
+                                                             (HF's layout)
 
 Token-major conv rows make the state update "keep the last K-1 rows" with no transpose. The ssm
 state keeps HF's layout so HF caches and references compare without a transpose; vLLM's Triton

@@ -46,7 +46,7 @@ def causal_conv1d_varlen(
                     new state = rows  qsl[r+1] + r*(K-1) + j
 
     x [num_tokens, conv_dim]; weight [conv_dim, K] or [conv_dim, 1, K] (weight[:, K-1] hits the
-    current token); conv_state [num_slots, K-1, conv_dim], updated in place. Accumulates in fp32
+    current token); conv_state [num_state_slots, K-1, conv_dim], updated in place. Accumulates in fp32
     and applies the activation before the single cast back, as vLLM's causal_conv1d kernels do.
     """
     num_tokens, conv_dim = x.shape
@@ -145,7 +145,7 @@ def gated_delta_net_forward(
 
     q, k [num_tokens, Hk, Dk] and v [num_tokens, Hv, Dv] are the conv outputs (Hv a multiple of
     Hk: value head h reads key head h // (Hv/Hk)); g (log decay) and beta [num_tokens, Hv];
-    ssm_state [num_slots, Hv, Dk, Dv]. Returns o [num_tokens, Hv, Dv] in v's dtype.
+    ssm_state [num_state_slots, Hv, Dk, Dv]. Returns o [num_tokens, Hv, Dv] in v's dtype.
     """
     qkvgb = prepare_qkv(q, k, v, g, beta, use_qk_l2norm)
     num_tokens, heads, dv = v.shape

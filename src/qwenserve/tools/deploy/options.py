@@ -18,9 +18,9 @@ from qwenserve.tools.deploy.spec import (
 )
 
 TARGETS = ("systemd", "supervisor", "nginx", "haproxy", "prometheus", "grafana", "docker", "k8s")
-PLATFORMS = ("auto", "ascend", "cuda", "cpu")
+PLATFORMS = ("auto", "npu", "cuda", "cpu")
 DEFAULT_BASE_IMAGES = {
-    "ascend": "quay.io/ascend/cann:9.1.0-910b-ubuntu22.04-py3.12",
+    "npu": "quay.io/ascend/cann:9.1.0-910b-ubuntu22.04-py3.12",
     "cuda": "python:3.12-slim",  # torch's CUDA wheels bring the CUDA runtime
     "cpu": "python:3.12-slim",
 }

@@ -33,7 +33,7 @@ def serve_command(opts: DeployOptions, executable: str | None = None) -> list[st
 def start_command(opts: DeployOptions, executable: str | None = None) -> list[str]:
     """The serve command; on Ascend wrapped so the CANN environment is sourced first."""
     command = serve_command(opts, executable)
-    if opts.platform != "ascend":
+    if opts.platform != "npu":
         return command
     return ["/bin/bash", "-c", _SOURCE_AND_EXEC.format(set_env=set_env_path(opts)), *command]
 
@@ -42,7 +42,7 @@ def environment(opts: DeployOptions, in_container: bool = False) -> list[tuple[s
     """Variables the server needs; user ``--env`` entries come last and win."""
     pairs: list[tuple[str, str]] = []
     ids = ",".join(str(i) for i in opts.device_ids)
-    if opts.platform == "ascend":
+    if opts.platform == "npu":
         lib64 = f"{opts.ascend_root}/driver/lib64"
         pairs.append(("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True"))
         pairs.append(("LD_LIBRARY_PATH", f"{lib64}/driver:{lib64}/common"))

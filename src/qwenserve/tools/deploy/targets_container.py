@@ -84,7 +84,7 @@ def dockerfile(opts: DeployOptions) -> str:
 def _run_flags(opts: DeployOptions, secret: GeneratedFile | None) -> list[str]:
     q = shlex.quote
     flags = ["-d", "--restart unless-stopped", f"-p {opts.serve.port}:{opts.serve.port}"]
-    if opts.platform == "ascend":
+    if opts.platform == "npu":
         flags += [f"--device /dev/davinci{i}" for i in opts.device_ids]
         flags += [f"--device {d}" for d in _ASCEND_DEVICES]
         flags += [f"-v {q(h)}:{q(c)}" for h, c in ascend_host_mounts(opts)]

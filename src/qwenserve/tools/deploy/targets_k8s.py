@@ -21,7 +21,7 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
-_RESOURCE = {"ascend": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu"}
+_RESOURCE = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu"}
 _HF_CACHE = "/root/.cache/huggingface"
 
 
@@ -47,7 +47,7 @@ def _volumes(opts: DeployOptions) -> tuple[list[dict[str, object]], list[dict[st
     else:  # downloads land here; use a PersistentVolumeClaim to keep them across restarts
         volumes.append({"name": "hf-cache", "emptyDir": {}})
         mounts.append({"name": "hf-cache", "mountPath": _HF_CACHE})
-    if opts.platform == "ascend":
+    if opts.platform == "npu":
         for i, (host, inner) in enumerate(ascend_host_mounts(opts)):
             volumes.append({"name": f"ascend-{i}", "hostPath": {"path": host.rstrip("/")}})
             mounts.append({"name": f"ascend-{i}", "mountPath": inner.rstrip("/"), "readOnly": True})

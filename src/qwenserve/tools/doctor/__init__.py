@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_context(args: argparse.Namespace) -> DoctorContext:
     root = Path(args.ascend_root)
     platform = detect_platform(root) if args.platform == "auto" else args.platform
-    npu_smi, npu_smi_error = read_npu_smi() if platform == "ascend" else (None, None)
+    npu_smi, npu_smi_error = read_npu_smi() if platform == "npu" else (None, None)
     return DoctorContext(
         platform=platform,
         ascend_root=root,
@@ -110,7 +110,7 @@ def _safe(check: CheckFn, ctx: DoctorContext) -> Check:
 
 
 def run_checks(ctx: DoctorContext) -> list[Check]:
-    plan = list(_COMMON) + (list(_ASCEND) if ctx.platform == "ascend" else []) + list(_DEVICES)
+    plan = list(_COMMON) + (list(_ASCEND) if ctx.platform == "npu" else []) + list(_DEVICES)
     if ctx.model_dir is not None:
         plan += list(_MODEL)
     return [_safe(check, ctx) for check in plan]

@@ -38,7 +38,7 @@ def visible_ids(num_devices: int, env_name: str) -> tuple[list[int], list[str]]:
 
 
 def check_devices(ctx: DoctorContext) -> Check:
-    if ctx.platform == "ascend":
+    if ctx.platform == "npu":
         return _ascend_devices(ctx)
     if ctx.platform == "cuda":
         return _cuda_devices(ctx)
@@ -108,7 +108,7 @@ def _cuda_devices(ctx: DoctorContext) -> Check:
 
 
 def check_busy(ctx: DoctorContext) -> Check:
-    if ctx.platform == "ascend":
+    if ctx.platform == "npu":
         return _npu_busy(ctx)
     if ctx.platform == "cuda":
         return _gpu_busy()

@@ -14,14 +14,14 @@ from qwenserve import envs
 from qwenserve.tools.doctor.context import DoctorContext
 from qwenserve.tools.doctor.result import Check, fail, passed, skip, warn
 
-_IP_VARS = {"ascend": ("HCCL_IF_IP", "VLLM_HOST_IP"), "cuda": ("VLLM_HOST_IP",), "cpu": ()}
+_IP_VARS = {"npu": ("HCCL_IF_IP", "VLLM_HOST_IP"), "cuda": ("VLLM_HOST_IP",), "cpu": ()}
 _NIC_VARS = {
-    "ascend": ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"),
+    "npu": ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"),
     "cuda": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
     "cpu": ("GLOO_SOCKET_IFNAME",),
 }
 _INT_VARS = {
-    "ascend": ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE"),
+    "npu": ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE"),
     "cuda": (),
     "cpu": (),
 }
@@ -80,14 +80,14 @@ def _problems(platform_name: str) -> tuple[list[str], list[str]]:
 
 def check_collective_env(ctx: DoctorContext) -> Check:
     problems, seen = _problems(ctx.platform)
-    nic = "HCCL_SOCKET_IFNAME" if ctx.platform == "ascend" else "NCCL_SOCKET_IFNAME"
+    nic = "HCCL_SOCKET_IFNAME" if ctx.platform == "npu" else "NCCL_SOCKET_IFNAME"
     if problems:
         return fail(
             "collective_env",
             "; ".join(problems),
             "set them to this host's IP and NIC (see `ip -br addr`), or unset them",
         )
-    if ctx.multi_node and ctx.platform == "ascend" and envs.get("HCCL_IF_IP") is None:
+    if ctx.multi_node and ctx.platform == "npu" and envs.get("HCCL_IF_IP") is None:
         return fail(
             "collective_env",
             "multi-node run without HCCL_IF_IP: HCCL will pick an interface and may hang",

@@ -25,7 +25,7 @@ def check_python(ctx: DoctorContext) -> Check:
     version = platform.python_version()
     if compare(version, MIN_PYTHON) < 0:
         return fail("python", f"Python {version} is too old", f"use Python >= {MIN_PYTHON}")
-    torch_npu = installed_version("torch_npu") if ctx.platform == "ascend" else None
+    torch_npu = installed_version("torch_npu") if ctx.platform == "npu" else None
     rows = compat.rows_for_torch_npu(torch_npu) if torch_npu else []
     if rows and not in_range(version, rows[0].python_min, rows[0].python_max):
         row = rows[0]
@@ -53,7 +53,7 @@ def check_torch(ctx: DoctorContext) -> Check:
 
 def _torch_install_hint(platform_name: str) -> str:
     row = compat.RECOMMENDED
-    if platform_name == "ascend":
+    if platform_name == "npu":
         return f"pip install torch=={row.torch} torch_npu=={row.torch_npu} (CANN {row.cann})"
     if platform_name == "cuda":
         return "pip install torch --index-url https://download.pytorch.org/whl/cu128"

@@ -13,7 +13,7 @@ from qwenserve import envs
 from qwenserve.tools.doctor import ascend
 from qwenserve.tools.doctor.npu_smi import NpuSmiInfo, parse_npu_smi
 
-PLATFORMS = ("auto", "ascend", "cuda", "cpu")
+PLATFORMS = ("auto", "npu", "cuda", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class DoctorContext:
 def detect_platform(ascend_root: Path) -> str:
     """Ascend when its driver or npu-smi is present, CUDA when nvidia-smi is, else CPU."""
     if ascend.npu_smi_path() or (ascend_root / "driver").is_dir():
-        return "ascend"
+        return "npu"
     if shutil.which("nvidia-smi", path=envs.get("PATH")) or Path("/proc/driver/nvidia").is_dir():
         return "cuda"
     return "cpu"

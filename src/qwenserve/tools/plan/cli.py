@@ -15,6 +15,7 @@ from qwenserve.tools.plan.devices import (
     KV_DTYPE_BYTES,
     QUANT_WIDTHS,
     RUNTIME_OVERHEAD_BYTES,
+    SSM_DTYPE_BYTES,
     DevicePreset,
     parse_memory,
 )
@@ -23,7 +24,7 @@ TP_CANDIDATES = (1, 2, 4, 8, 16)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from qwenserve.engine.arg_utils import human_readable_int
+    from qwenserve.engine.arg_utils import human_readable_int, json_object
 
     parser.add_argument("model", help="model folder, config.json, or a hub id cached locally")
     parser.add_argument("--device", default="910b-64g", choices=sorted(DEVICES),
@@ -36,6 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("auto", "bfloat16", "float16", "half", "float32", "float"))
     parser.add_argument("--quantization", choices=[q for q in QUANT_WIDTHS if q])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_DTYPE_BYTES))
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="Gated DeltaNet state dtype (auto: float32), as serve's flag")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="plan MoE experts whole per device (serve's flag); the busiest "
+                        "device holds ceil(experts / TP)")
+    parser.add_argument("--hf-overrides", type=json_object, default=None,
+                        help="JSON merged into the config first, as serve's flag (e.g. YaRN)")
     parser.add_argument("--max-model-len", type=human_readable_int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=human_readable_int, default=2048)
@@ -63,7 +72,7 @@ def make_report(args: argparse.Namespace) -> dict:
     from qwenserve.tools.plan.model import load_config
     from qwenserve.tools.plan.quant import checkpoint_quantization, qwenserve_problem
 
-    model = load_config(args.model)
+    model = load_config(args.model, args.hf_overrides)
     hf_config = model.hf_config
     device = _device(args)
     dtype = _dtype(args.dtype, model.ckpt_dtype, device)
@@ -75,7 +84,9 @@ def make_report(args: argparse.Namespace) -> dict:
     def inputs(tp: int) -> PlanInputs:
         return PlanInputs(hf_config, model.architecture, dtype, tp, max_len, args.max_num_seqs,
                           args.max_num_batched_tokens, block_size, quant,
-                          KV_DTYPE_BYTES[args.kv_cache_dtype])
+                          KV_DTYPE_BYTES[args.kv_cache_dtype],
+                          SSM_DTYPE_BYTES[args.mamba_ssm_cache_dtype],
+                          args.enable_expert_parallel)
 
     plans = _plans(args, hf_config, inputs, _budget_function(args, device))
     chosen = _choose(plans, args.target_concurrency, max_len)
@@ -84,6 +95,8 @@ def make_report(args: argparse.Namespace) -> dict:
         "device_memory_bytes": device.memory_bytes, "dtype": dtype, "quantization": quant,
         "quantization_from_checkpoint": checkpoint.from_checkpoint and not args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": max_len,
+        "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "model_max_model_len": int(getattr(hf_config, "max_position_embeddings", 0) or 4096),
         "block_size": block_size, "target_concurrency": args.target_concurrency,
         "plans": [_plan_dict(p, max_len) for p in plans],

@@ -8,6 +8,7 @@ no load-time INT8 of a float checkpoint), so a command never promises a capacity
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 from dataclasses import dataclass, field
 
@@ -47,6 +48,12 @@ def build_commands(c: CommandInputs) -> Commands:
         "--max-num-seqs",
         str(a.max_num_seqs),
     ]
+    if getattr(a, "enable_expert_parallel", False):
+        flags += ["--enable-expert-parallel"]
+    if getattr(a, "mamba_ssm_cache_dtype", "auto") != "auto":
+        flags += ["--mamba-ssm-cache-dtype", a.mamba_ssm_cache_dtype]
+    if getattr(a, "hf_overrides", None):
+        flags += ["--hf-overrides", json.dumps(a.hf_overrides)]
     if a.max_num_batched_tokens != DEFAULT_BATCHED_TOKENS:
         flags += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     if a.block_size:

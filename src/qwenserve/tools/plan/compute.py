@@ -34,6 +34,8 @@ class PlanInputs:
     block_size: int
     quantization: str | None = None
     kv_dtype_bytes: int | None = None
+    ssm_dtype_bytes: int = 4  # --mamba-ssm-cache-dtype
+    expert_parallel: bool = False  # --enable-expert-parallel: rank 0 holds the most experts
 
 
 @dataclass
@@ -54,12 +56,12 @@ class RankPlan:
 
 def cache_specs(inputs: PlanInputs) -> list[CacheSpec]:
     """The engine's specs; ``--kv-cache-dtype`` narrows K/V only (DeltaNet's conv state stays
-    in the model dtype, its SSM state in float32)."""
+    in the model dtype, its SSM state in ``--mamba-ssm-cache-dtype``, float32 by default)."""
     from qwenserve.models.registry import load_model_class
 
     model_bytes = _DTYPE_BYTES[inputs.dtype]
-    specs = load_model_class(inputs.architecture).cache_specs(inputs.hf_config, inputs.tp,
-                                                              model_bytes)
+    specs = load_model_class(inputs.architecture).cache_specs(
+        inputs.hf_config, inputs.tp, model_bytes, inputs.ssm_dtype_bytes)
     kv_bytes = inputs.kv_dtype_bytes or model_bytes
     return [replace(s, dtype_bytes=kv_bytes) if isinstance(s, PagedKVSpec) else s for s in specs]
 
@@ -78,7 +80,8 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
     dtype = getattr(torch, inputs.dtype)
     ctx = ModelContext(hf_config=inputs.hf_config, dtype=dtype,
                        max_model_len=inputs.max_model_len,
-                       tp=ParallelGroup(rank=0, world_size=inputs.tp))
+                       tp=ParallelGroup(rank=0, world_size=inputs.tp),
+                       expert_parallel=inputs.expert_parallel)
     with torch.device("meta"):
         model = load_model_class(inputs.architecture)(ctx)
     # Linear weight matrices take the quantized width; norms and MoE routers stay in the model

@@ -16,8 +16,9 @@ class PlannedModel:
     folder: str | None  # None for a GGUF file
 
 
-def load_config(model: str) -> PlannedModel:
-    """Read the config the engine would read; nothing is downloaded."""
+def load_config(model: str, hf_overrides: dict | None = None) -> PlannedModel:
+    """Read the config the engine would read (``--hf-overrides`` merged); nothing is
+    downloaded."""
     from qwenserve.models.model_config import read_hf_config
     from qwenserve.models.registry import resolve_architecture
 
@@ -32,7 +33,7 @@ def load_config(model: str) -> PlannedModel:
             path = os.path.dirname(os.path.abspath(path))
         elif not os.path.isdir(path):
             path = _cached_hub_folder(model)
-        config, _, ckpt_dtype = read_hf_config(path)
+        config, _, ckpt_dtype = read_hf_config(path, hf_overrides)
         folder = path
     architecture = resolve_architecture(getattr(config, "architectures", None))
     return PlannedModel(config, architecture, model, ckpt_dtype, folder)

@@ -1,0 +1,136 @@
+"""``--compilation-config`` / ``-cc``: vLLM's CompilationConfig, validated by its field names.
+
+vLLM uses it for ``torch.compile`` (``mode``, inductor settings) and for graph capture
+(``cudagraph_mode``, capture sizes: CUDA graphs on GPUs, ACL graphs on Ascend through vLLM
+Ascend). qwenserve runs every step eagerly on every platform today, so no key acts yet: each
+given key is logged once at start-up with what it does in vLLM and why it has no effect here.
+Unknown keys and malformed values are errors, as in vLLM (its config forbids extra fields).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")
+
+_GRAPHS = "graph capture (CUDA graphs on GPUs, ACL graphs on Ascend)"
+_COMPILE = "torch.compile"
+# vLLM's field -> (what it controls in vLLM, the kind of check on its value)
+FIELDS: dict[str, tuple[str, str]] = {
+    "level": (f"{_COMPILE} level (deprecated name of mode)", "mode"),
+    "mode": (f"{_COMPILE} mode 0-3", "mode"),
+    "debug_dump_path": (f"where {_COMPILE} dumps debug files", "str"),
+    "cache_dir": (f"{_COMPILE} cache folder", "str"),
+    "compile_cache_save_format": (f"{_COMPILE} cache format", "str"),
+    "backend": (f"{_COMPILE} backend", "str"),
+    "custom_ops": ("which custom ops run instead of compiled code", "list"),
+    "splitting_ops": ("ops left out of piecewise graphs", "list"),
+    "compile_mm_encoder": (f"{_COMPILE} of the vision encoder", "bool"),
+    "compile_sizes": ("batch sizes inductor compiles for", "list"),
+    "compile_ranges_split_points": ("inductor compile ranges", "list"),
+    "inductor_compile_config": ("inductor options", "dict"),
+    "inductor_passes": ("extra inductor passes", "dict"),
+    "use_inductor": ("inductor on/off (deprecated)", "bool"),
+    "use_inductor_graph_partition": ("inductor graph partition", "bool"),
+    "pass_config": ("fusion passes", "dict"),
+    "dynamic_shapes_config": (f"{_COMPILE} dynamic shapes", "dict"),
+    "cudagraph_mode": (_GRAPHS + " mode", "cudagraph_mode"),
+    "cudagraph_capture_sizes": (_GRAPHS + ": batch sizes captured", "sizes"),
+    "max_cudagraph_capture_size": (_GRAPHS + ": largest batch captured", "int"),
+    "cudagraph_num_of_warmups": (_GRAPHS + ": warm-up runs", "int"),
+    "cudagraph_copy_inputs": (_GRAPHS + ": copy inputs to static buffers", "bool"),
+    "cudagraph_specialize_lora": (_GRAPHS + ": separate graphs with LoRA", "bool"),
+    "full_cuda_graph": (_GRAPHS + ": full graphs (deprecated)", "bool"),
+    "use_cudagraph": (_GRAPHS + " on/off (deprecated)", "bool"),
+}
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """The keys the user gave, validated (vLLM's defaults apply to the rest)."""
+
+    given: dict[str, Any] = field(default_factory=dict)
+
+    def startup_notes(self, platform_name: str) -> list[str]:
+        """One line per given key: what it does in vLLM, and that it has no effect here."""
+        notes = []
+        for key, value in self.given.items():
+            what = FIELDS[key][0]
+            why = ("qwenserve does not use torch.compile yet (it runs the model eagerly)"
+                   if _COMPILE in what else
+                   "qwenserve has no graph capture yet on any platform (every step runs eagerly)")
+            notes.append(f"--compilation-config {key}={json.dumps(value)} ({what}): no effect on "
+                         f"{platform_name}: {why}")
+        return notes
+
+
+def compilation_config_arg(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object, or a bare mode number (``-O3``, ``-cc 3``)."""
+    import argparse
+
+    try:
+        return parse_compilation_config(text).given
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def parse_compilation_config(value: Any) -> CompilationConfig:
+    """A JSON string, an already-parsed dict (``-cc.key=value`` folded), or None."""
+    if value is None:
+        return CompilationConfig()
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():  # vLLM's ``-O3`` / ``--compilation-config 3``: the mode
+            return parse_compilation_config({"mode": int(text)})
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--compilation-config: not valid JSON: {text!r} ({e})") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"--compilation-config must be a JSON object, got {value!r}")
+    given = {}
+    for key, raw in value.items():
+        if key not in FIELDS:
+            raise ValueError(f"--compilation-config: unknown key {key!r}; vLLM's keys are "
+                             f"{', '.join(FIELDS)}")
+        given[key] = _check(key, _decode(raw), FIELDS[key][1])
+    return CompilationConfig(given)
+
+
+def _decode(raw: Any) -> Any:
+    """Dotted flags (``-cc.cudagraph_capture_sizes=[1,2]``) arrive as text: read JSON in it."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def _check(key: str, value: Any, kind: str) -> Any:
+    bad = f"--compilation-config: {key}={value!r} "
+    if kind == "cudagraph_mode":
+        if str(value).upper() not in CUDAGRAPH_MODES:
+            raise ValueError(bad + "is not a cudagraph mode; use one of "
+                             + ", ".join(CUDAGRAPH_MODES))
+        return str(value).upper()
+    if kind == "mode":
+        names = {n: i for i, n in enumerate(COMPILATION_MODES)}
+        if isinstance(value, str) and value.upper() in names:
+            return names[value.upper()]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 3:
+            raise ValueError(bad + f"is not a compilation mode; use 0-3 or {', '.join(names)}")
+        return value
+    if kind == "sizes":
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+        ):
+            raise ValueError(bad + "must be a list of positive integers, e.g. [1, 2, 4, 8]")
+        return sorted(set(value))
+    expected = {"int": int, "bool": bool, "str": str, "list": list, "dict": dict}[kind]
+    if not isinstance(value, expected) or (kind == "int" and isinstance(value, bool)):
+        raise ValueError(bad + f"must be a {expected.__name__}")
+    return value
