@@ -34,6 +34,7 @@ def _device_uses(tree: ast.AST) -> list[str]:
 FLOORS = {
     "envs": 0,
     "logger": 1,
+    "multimodal.config": 1,  # the image flags, resolved (plain data)
     "config": 2,  # plain frozen configs: every floor reads them
     "options": 2,  # vLLM's JSON options, parsed and checked (no torch)
     "metrics.stats": 2,  # plain statistics: core fills them

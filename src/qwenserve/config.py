@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qwenserve import envs
+from qwenserve.multimodal.config import MultiModalConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -47,6 +48,12 @@ class ModelConfig:
     @property
     def name(self) -> str:
         return self.source.name
+
+    @property
+    def has_vision(self) -> bool:
+        """A vision tower is built (a vision-language checkpoint without
+        --language-model-only)."""
+        return getattr(self.hf_config, "vision_config", None) is not None
 
     @property
     def vocab_size(self) -> int:
@@ -127,6 +134,7 @@ class EngineConfig:
     platform_name: str
     seed: int = 0
     max_logprobs: int = 20
+    multimodal: MultiModalConfig = MultiModalConfig()
     load_format: str = "auto"  # auto | safetensors | dummy | sharded_state
     pooler: PoolerConfig | None = None  # --runner pooling: what a request returns
     speculative: SpeculativeConfig | None = None

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.sampling_params import SamplingParams
 
 
@@ -63,6 +64,12 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)
     # speculative decoding: drafts proposed after the last step, verified in the next one
     spec_token_ids: list[int] = field(default_factory=list)
+    mm_inputs: MultiModalInputs | None = None  # the prompt's images, if any
+
+    def block_extra_key(self, start: int, end: int) -> bytes:
+        """What the prefix-cache key of the block of tokens ``[start, end)`` adds to its token
+        ids: the content hashes of the images inside it (nothing for text)."""
+        return b"" if self.mm_inputs is None else self.mm_inputs.block_extra_key(start, end)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -97,6 +97,11 @@ def hf_vl_model(family: str, seed: int = 0) -> Any:
         cfg = tf.Qwen3_5Config(text_config=text, vision_config={**VISION, "out_hidden_size": 64},
                                **ids)
         model_cls = tf.Qwen3_5Model
+    elif family == "qwen3_5_moe":
+        text = _config("qwen3_5_moe", vocab_size=520).to_dict()
+        cfg = tf.Qwen3_5MoeConfig(text_config=text,
+                                  vision_config={**VISION, "out_hidden_size": 64}, **ids)
+        model_cls = tf.Qwen3_5MoeModel
     else:
         text = dict(vocab_size=520, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=12,
@@ -109,3 +114,56 @@ def hf_vl_model(family: str, seed: int = 0) -> Any:
     model = model_cls(cfg).eval()
     randomize_(model, seed)
     return model
+
+
+def make_tiny_vl_checkpoint(family: str, path: str, seed: int = 0) -> str:
+    """A ``*ForConditionalGeneration`` folder (tower + decoder, random weights) with the
+    tokenizer and preprocessor_config.json, as published checkpoints ship (skipped if there)."""
+    import os
+
+    import transformers as tf
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    base = hf_vl_model(family, seed)
+    cls = {"qwen3_5": tf.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_moe": tf.Qwen3_5MoeForConditionalGeneration,
+           "qwen3_vl": tf.Qwen3VLForConditionalGeneration}[family]
+    tokenizer = vl_tokenizer()
+    cfg = base.config
+    cfg.text_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    write_preprocessor_config(path)
+    return path
+
+
+def load_hf_vl(path: str) -> Any:
+    import transformers as tf
+
+    return tf.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_vl_greedy(model: Any, prompt_ids: list[int], processed: list[Any],
+                 max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs by full recomputation each step (the plainest
+    reference: HF's own M-RoPE index over the whole sequence every time)."""
+    ids = list(prompt_ids)
+    kwargs = {}
+    if processed:
+        kwargs = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
+                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]))
+    logprobs = []
+    for _ in range(max_new_tokens):
+        t = torch.tensor([ids])
+        extra = dict(kwargs, mm_token_type_ids=(t == model.config.image_token_id).int()
+                     ) if processed else {}
+        logits = model(input_ids=t, **extra).logits[0, -1].float()
+        token = int(logits.argmax())
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        ids.append(token)
+    return ids[len(prompt_ids):], logprobs

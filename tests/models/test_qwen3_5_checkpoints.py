@@ -33,7 +33,8 @@ def test_vision_language_checkpoint_serves_its_text_model(tmp_path, caplog):
     reference = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(reference).__name__ == "Qwen3_5ForCausalLM"
     with caplog.at_level("INFO", logger="qwenserve"):
-        llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=32)
+        llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=32,
+                  language_model_only=True)
     assert any("vision-tower" in r.message for r in caplog.records)
     assert any("recurrent-state checkpoints" in r.message for r in caplog.records)
     assert greedy(llm) == [hf_greedy(reference, p, 10) for p in PROMPTS]

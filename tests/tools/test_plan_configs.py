@@ -7,7 +7,7 @@ import json
 import shlex
 
 import pytest
-from plan_configs import PUBLISHED_PARAMS, text_config, write_model
+from plan_configs import CONFIGS, PUBLISHED_PARAMS, text_config, write_model
 
 from qwenserve.entrypoints.cli import main
 from qwenserve.entrypoints.openai.cli_args import make_serve_parser
@@ -278,3 +278,26 @@ def test_commands_never_promise_what_a_server_cannot_do(tmp_path, capsys):
     assert int8["commands"]["qwenserve"].endswith("--quantization int8")
     _, awq = plan(capsys, path, "--device", "910b-64g", "--quantization", "awq")
     assert awq["commands"] == {"qwenserve": None, "vllm": None} and len(awq["notes"]) == 3
+
+
+def test_the_vision_tower_is_counted_in_the_model_dtype(tmp_path, capsys):
+    """Qwen3.5's tower: HF's parameter count at 2 bytes, also under w8a8 (the engine does not
+    quantize it); its activations on the largest image a step may encode add to the reserve."""
+    import torch
+    import transformers as tf
+
+    path = write_model(tmp_path, "Qwen3.5-27B")
+    cfg = tf.Qwen3_5VisionConfig(**CONFIGS["Qwen3.5-27B"]["vision_config"])
+    with torch.device("meta"):
+        hf = tf.models.qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel._from_config(cfg)
+    params = sum(p.numel() for p in hf.parameters())
+    for flags in ((), ("--quantization", "w8a8")):
+        _, report = plan(capsys, path, "--tp", "1", "--max-model-len", "4096", *flags)
+        assert by_tp(report)[1]["vision_weight_bytes"] == 2 * params
+    _, small = plan(capsys, path, "--tp", "1", "--max-model-len", "4096",
+                    "--max-num-batched-tokens", "1024")
+    _, large = plan(capsys, path, "--tp", "1", "--max-model-len", "4096",
+                    "--max-num-batched-tokens", "2048")
+    grow = by_tp(large)[1]["activation_reserve_bytes"] - by_tp(small)[1]["activation_reserve_bytes"]
+    patches = 1024 * cfg.spatial_merge_size**2  # 1024 more language-model tokens of images
+    assert grow > patches * 4 * cfg.hidden_size * 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     state_slot: int | None
+    mm_inputs: MultiModalInputs | None = None  # the prompt's images (pixels for the encoder)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from collections import deque
 
 from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import NO_HIT, Allocation, CacheManager
+from qwenserve.core.encoder_budget import EncoderBudget, fit_chunk
 from qwenserve.core.sched_output import (
     ModelOutput,
     NewRequestData,
@@ -43,6 +44,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._spec_stats = SpecDecodingStats()  # since the last take_spec_stats()
         self.spec_totals = SpecDecodingStats()  # since start
+        self._encoder_budget = EncoderBudget(limits.max_num_batched_tokens)
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -73,6 +75,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        self._encoder_budget = EncoderBudget(self.limits.max_num_batched_tokens)
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
@@ -87,7 +90,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit_encoder(req, req.num_computed_tokens,
+                                        min(req.num_tokens - req.num_computed_tokens, budget),
+                                        first_chunk=False)
+            if num_new == 0:  # its next image waits for a step with encoder budget left
+                i += 1
+                continue
             drafts = self._drafts(req, num_new, budget)
             num_new += len(drafts)
             alloc = self.cache.allocate(req, num_new)
@@ -110,7 +118,10 @@ class Scheduler:
             # rule too). The blocks it computes are still cached for others.
             hit = (NO_HIT if req.sampling_params.prompt_logprobs is not None
                    else self.cache.lookup_prefix(req))
-            alloc = self.cache.allocate(req, min(req.num_tokens - hit.num_tokens, budget), hit)
+            num_new = self._fit_encoder(req, hit.num_tokens,
+                                        min(req.num_tokens - hit.num_tokens, budget),
+                                        first_chunk=True)
+            alloc = self.cache.allocate(req, num_new, hit) if num_new else None
             if alloc is None:
                 break  # FCFS: later requests wait behind this one
             self.waiting.popleft()
@@ -126,9 +137,19 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 block_ids=list(alloc.new_block_ids),
                 state_slot=alloc.state_slot,
+                mm_inputs=req.mm_inputs,
             ))
             self._add_chunk(out, req, alloc, new_request=True)
             budget -= alloc.num_tokens
+
+    def _fit_encoder(self, req: Request, start: int, num_new: int, first_chunk: bool) -> int:
+        """Cut the chunk before an image the step's encoder budget cannot take (text: as is).
+        The cache may shorten the chunk further; the images it then misses were charged all
+        the same (the budget errs on the safe side)."""
+        if req.mm_inputs is None or start >= req.num_prompt_tokens:
+            return num_new
+        return fit_chunk(req.mm_inputs.placements, start, num_new, first_chunk,
+                         self._encoder_budget)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, alloc: Allocation,
                    new_request: bool = False, drafts: list[int] | None = None) -> None:

@@ -22,6 +22,11 @@ from qwenserve.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from qwenserve.multimodal.config import (
+    MultiModalConfig,
+    parse_json_option,
+    parse_limit_mm_per_prompt,
+)
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
@@ -117,6 +122,24 @@ class EngineArgs:
                                               group="SchedulerConfig", type=human_readable_int)
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", default=1,
                                      group="ParallelConfig", type=int, aliases=("-tp",))
+    limit_mm_per_prompt: str | None = _opt(
+        'Most images per prompt, as JSON: {"image": 4} (vLLM\'s forms; default 999). '
+        '{"image": 0} refuses images.', group="MultiModalConfig")
+    mm_processor_kwargs: str | None = _opt(
+        'Image processor settings, as JSON: {"min_pixels": ..., "max_pixels": ...} or '
+        '{"size": {"shortest_edge": ..., "longest_edge": ...}}.', group="MultiModalConfig")
+    mm_processor_cache_gb: float = _opt("GiB of processed images kept across requests "
+                                        "(0: none).", default=4.0, group="MultiModalConfig",
+                                        type=float)
+    language_model_only: bool = _opt("Load only the language model of a vision-language "
+                                     "checkpoint (no vision tower; images refused).",
+                                     default=False, group="MultiModalConfig")
+    allowed_local_media_path: str | None = _opt(
+        "Folder whose files requests may name as file:// image URLs (default: none).",
+        group="MultiModalConfig")
+    allowed_media_domains: list[str] | None = _opt(
+        "Hosts whose http(s) image URLs the server fetches (default: none).",
+        group="MultiModalConfig", nargs="+")
     # ---- vLLM / vLLM Ascend options the tutorials pass (docs/serving.md has the table) ----
     hf_overrides: dict | None = _opt(
         "JSON merged into the model's HF config before it is read, e.g. YaRN: "
@@ -172,6 +195,8 @@ class EngineArgs:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = meta.get("type", str)
+                if "nargs" in meta:
+                    kwargs["nargs"] = meta["nargs"]
                 if "choices" in meta:
                     kwargs["choices"] = meta["choices"]
             group.add_argument(*names, **kwargs)
@@ -264,6 +289,27 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             speculative=speculative,
             draft_model=draft_model,
+            multimodal=self._multimodal_config(),
+        )
+
+    def _multimodal_config(self) -> MultiModalConfig:
+        """The image flags, each checked here so that a bad one fails at start-up."""
+        from qwenserve.multimodal.processor import resolve_processor_kwargs
+
+        kwargs = parse_json_option("mm_processor_kwargs", self.mm_processor_kwargs)
+        resolve_processor_kwargs(kwargs)
+        cache_gb = float(self.mm_processor_cache_gb)
+        if cache_gb < 0:
+            raise ValueError(f"--mm-processor-cache-gb must be >= 0, got {cache_gb}")
+        domains = self.allowed_media_domains or ()
+        domains = (domains,) if isinstance(domains, str) else domains
+        return MultiModalConfig(
+            image_limit=parse_limit_mm_per_prompt(self.limit_mm_per_prompt),
+            processor_kwargs=kwargs,
+            processor_cache_bytes=int(cache_gb * (1 << 30)),
+            allowed_local_media_path=self.allowed_local_media_path,
+            allowed_media_domains=tuple(d.lower() for d in domains),
+            language_model_only=bool(self.language_model_only),
         )
 
     def create_model_config(self, platform: Platform) -> ModelConfig:
@@ -275,6 +321,8 @@ class EngineArgs:
 
         source = resolve_source(self.model, self.revision, self.download_dir)
         files = mc.read_model_files(source, self.generation_config, self.hf_overrides)
+        if self.language_model_only and hasattr(files.hf_config, "vision_config"):
+            files.hf_config.vision_config = None  # no tower is built, images are refused
         quant_method, quant_config = resolve_quantization(files.hf_config, self.quantization)
         return ModelConfig(
             source=source,

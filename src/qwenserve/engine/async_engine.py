@@ -23,8 +23,8 @@ from typing import Any
 
 from qwenserve import envs
 from qwenserve.config import EngineConfig
-from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.core.cache.plan import CachePlan
+from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_client import CoreClient, EngineDeadError, ProcCoreClient
 from qwenserve.engine.core_messages import (
     AbortRequests,
@@ -36,6 +36,7 @@ from qwenserve.engine.core_thread import ThreadCoreClient
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.logger import init_logger
 from qwenserve.metrics.stats import EngineStats, IterationStats
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -120,11 +121,13 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, prompt: str | None = None
+                       request_id: str, prompt: str | None = None,
+                       mm_inputs: MultiModalInputs | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; raises ``ValueError`` at once for a
         request the engine would refuse, and ``EngineDeadError`` if the engine dies."""
         self._check_alive()
+        self.core.checks.check_images(prompt_token_ids, mm_inputs, params)
         self.core.checks.validate_request(prompt_token_ids, params)
         out_queue: asyncio.Queue[_Item] = asyncio.Queue()
         with self._lock:
@@ -135,7 +138,7 @@ class AsyncEngine:
         finished = False
         try:
             self.core.send(AddRequest(request_id, prompt_token_ids, params, prompt,
-                                      time.monotonic()))
+                                      time.monotonic(), mm_inputs))
             while not finished:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):

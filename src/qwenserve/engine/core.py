@@ -65,7 +65,8 @@ class EngineCore:
         elif isinstance(command, AddRequest):
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                        command.params, command.prompt, command.arrival_time)
+                                        command.params, command.prompt, command.arrival_time,
+                                        command.mm_inputs)
             except ValueError as e:
                 self._pending.errors.append((command.request_id, str(e)))
         return True

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.plan import CachePlan
 from qwenserve.metrics.stats import EngineStats
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
 from qwenserve.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class AddRequest:
     params: SamplingParams
     prompt: str | None
     arrival_time: float  # time.monotonic() (one clock for both processes on one host)
+    mm_inputs: MultiModalInputs | None = None  # the prompt's images, processed
 
 
 @dataclass

@@ -21,6 +21,8 @@ from qwenserve.engine.request_checks import PromptTooLongError, RequestChecks
 from qwenserve.logger import init_logger
 from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, IterationStats
 from qwenserve.models.tokenizer import load_tokenizer
+from qwenserve.multimodal.front import ImageInputs
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
@@ -50,6 +52,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.outputs = OutputProcessor(self.tokenizer)
         self.checks = RequestChecks(config, self.tokenizer)
+        self.image_inputs = ImageInputs.for_engine(config, self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._pending_aborts: list[FinishedRequestStats] = []
         # Structured-output requests whose grammar is still compiling: (future, parent id,
@@ -80,10 +83,13 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request (``arrival_time`` is ``time.monotonic()``-based)."""
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    mm_inputs: MultiModalInputs | None = None) -> None:
+        """Queue a request (``arrival_time`` is ``time.monotonic()``-based). A prompt with images
+        comes expanded, with its ``mm_inputs`` (``ImageInputs.prepare``)."""
         if self.outputs.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.checks.check_images(prompt_token_ids, mm_inputs, params)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self.validate_request(prompt_token_ids, params, compile_grammar=False)
         params = self._finalize_params(params)
@@ -103,7 +109,7 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + int(child_id.split("_", 1)[0]))
             children.append(Request(child_id, list(prompt_token_ids), child_params, max_tokens,
-                                    arrival_time=arrival))
+                                    arrival_time=arrival, mm_inputs=mm_inputs))
         if grammar is not None and not grammar.done():
             self._awaiting_grammar.append((grammar, request_id, children))
             return
@@ -117,6 +123,13 @@ class LLMEngine:
             return prompt_token_ids
         k = self.config.scheduler.max_model_len if k == -1 else k
         return prompt_token_ids[-k:]
+
+    def check_images(self, prompt_token_ids: list[int], mm_inputs: MultiModalInputs | None,
+                     params: SamplingParams) -> None:
+        self.checks.check_images(prompt_token_ids, mm_inputs, params)
+
+    def images_refused_reason(self) -> str:
+        return self.checks.images_refused_reason()
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
                          compile_grammar: bool = True) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from qwenserve.config import EngineConfig
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.service import GrammarService, model_grammar_service
 
@@ -51,6 +52,29 @@ class RequestChecks:
         if compile_grammar and params.structured_outputs is not None:
             self.grammar_service().compile(params.structured_outputs.to_spec())
 
+    @property
+    def takes_images(self) -> bool:
+        """A vision tower is built and images are not disabled."""
+        return self.config.model.has_vision and self.config.multimodal.image_limit > 0
+
+    def check_images(self, prompt_token_ids: list[int], mm_inputs: MultiModalInputs | None,
+                     params: SamplingParams) -> None:
+        """Images only for a model that takes them, with every placeholder filled, untruncated."""
+        if mm_inputs is None:
+            image_token = getattr(self.config.model.hf_config, "image_token_id", None)
+            if self.takes_images and image_token in prompt_token_ids:
+                raise ValueError("the prompt has image placeholder tokens but no images were "
+                                 "given; pass the images (multi_modal_data / image parts)")
+            return
+        if not self.takes_images:
+            raise ValueError(self.images_refused_reason())
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut "
+                             "an image's tokens)")
+
+    def images_refused_reason(self) -> str:
+        return images_refused_reason(self.config)
+
     def grammar_service(self) -> GrammarService:
         """The process's grammar compiler for this model (built on first use: xgrammar loads
         only when a request asks for structured outputs)."""
@@ -71,3 +95,13 @@ class RequestChecks:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {vocab})")
+
+
+def images_refused_reason(config: EngineConfig) -> str:
+    """Why this engine refuses images (the 400's message)."""
+    mc, mm = config.model, config.multimodal
+    if mm.language_model_only:
+        return "image inputs are disabled: the server runs with --language-model-only"
+    if mc.has_vision:
+        return "image inputs are disabled on this server (--limit-mm-per-prompt '{\"image\": 0}')"
+    return f"{mc.name} is a text-only model; it does not take image inputs"

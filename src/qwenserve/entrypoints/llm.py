@@ -8,6 +8,14 @@ from typing import Any
 
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.entrypoints.media import MediaConfig, MediaConnector
+from qwenserve.entrypoints.media_parts import (
+    ImageSource,
+    extract_chat_images,
+    load_images,
+    parse_multi_modal_data,
+)
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
 from qwenserve.pooling import pooling_params
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
@@ -31,6 +39,7 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()
+        self._connector: MediaConnector | None = None
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -47,13 +56,15 @@ class LLM:
         params_list = self._params_list(sampling_params, len(prompt_list))
         request_ids = []
         tokenized = [self._tokenize(prompt) for prompt in prompt_list]
-        for (_, token_ids), params in zip(tokenized, params_list):
+        for (_, token_ids, mm_inputs), params in zip(tokenized, params_list):
             # Every request is checked (structured-output grammars compiled) before any starts.
+            self.llm_engine.check_images(token_ids, mm_inputs, params)
             self.llm_engine.validate_request(
                 self.llm_engine.truncate_prompt(token_ids, params), params)
-        for (text, token_ids), params in zip(tokenized, params_list):
+        for (text, token_ids, mm_inputs), params in zip(tokenized, params_list):
             request_id = str(next(self._counter))
-            self.llm_engine.add_request(request_id, token_ids, params, prompt=text)
+            self.llm_engine.add_request(request_id, token_ids, params, prompt=text,
+                                        mm_inputs=mm_inputs)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -69,12 +80,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        from qwenserve.entrypoints.chat_utils import apply_chat_template
+        from qwenserve.entrypoints.chat_utils import apply_chat_template, normalize_messages
 
-        prompts = [{"prompt_token_ids": apply_chat_template(
-            self.get_tokenizer(), conv, chat_template=chat_template, tools=tools,
-            add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))}
-            for conv in conversations]
+        prompts = []
+        for conv in conversations:
+            front = self.llm_engine.image_inputs
+            chat = extract_chat_images(conv, front.placeholder if front else "",
+                                       self.llm_engine.config.multimodal.image_limit)
+            ids = apply_chat_template(
+                self.get_tokenizer(), normalize_messages(chat.messages), chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": ids, "_images": chat.images})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
@@ -86,7 +102,7 @@ class LLM:
             raise ValueError("encode() needs a pooling model: LLM(..., runner='pooling')")
         request_ids = []
         for prompt in _as_prompt_list(prompts):
-            text, token_ids = self._tokenize(prompt)
+            text, token_ids, _ = self._tokenize(prompt)
             params = pooling_params()
             self.llm_engine.validate_request(token_ids, params)
             request_id = str(next(self._counter))
@@ -94,14 +110,40 @@ class LLM:
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType
+                  ) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        """Text and token ids of a prompt; with images, the expanded ids and their inputs."""
+        sources: list[ImageSource] = []
+        kwargs = None
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None:
+                sources = parse_multi_modal_data(prompt["multi_modal_data"],
+                                                 self.llm_engine.config.multimodal.image_limit)
+            sources = sources or list(prompt.get("_images", ()))
+            kwargs = prompt.get("mm_processor_kwargs")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        return prompt, self.get_tokenizer().encode(prompt)
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            else:
+                text, ids = prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
+        elif isinstance(prompt, list):
+            text, ids = None, list(prompt)
+        else:
+            text, ids = prompt, self.get_tokenizer().encode(prompt)
+        if not sources:
+            return text, ids, None
+        front = self.llm_engine.image_inputs
+        if front is None:
+            raise ValueError(self.llm_engine.images_refused_reason())
+        images = load_images(sources, self._media())
+        ids, mm_inputs = front.prepare(ids, images, kwargs)
+        return text, ids, mm_inputs
+
+    def _media(self) -> MediaConnector:
+        if self._connector is None:
+            mm = self.llm_engine.config.multimodal
+            self._connector = MediaConnector(MediaConfig(mm.allowed_local_media_path,
+                                                         mm.allowed_media_domains))
+        return self._connector
 
     def _params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qwenserve.entrypoints.media import MediaConnector, MediaError, to_rgb
+from qwenserve.multimodal.config import (  # noqa: F401 (re-exported)
+    DEFAULT_IMAGE_LIMIT,
+    parse_limit_mm_per_prompt,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
 
-DEFAULT_IMAGE_LIMIT = 999  # vLLM's default per modality
 _TEXT_PARTS = ("text", "input_text")
 _REFUSED_PARTS = {
     "video_url": "video inputs are not supported; send video frames as image_url parts",
@@ -48,29 +51,6 @@ class ImageSource:
 class ChatImages:
     messages: list[dict]  # image parts replaced by placeholders
     images: list[ImageSource]
-
-
-def parse_limit_mm_per_prompt(value: str | Mapping[str, Any] | None) -> int:
-    """``--limit-mm-per-prompt`` -> images allowed per prompt (vLLM's JSON forms: ``{"image": 4}``
-    or ``{"image": {"count": 4, "width": ..., "height": ...}}``)."""
-    if value is None:
-        return DEFAULT_IMAGE_LIMIT
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {value!r} ({e})") from e
-    if not isinstance(value, Mapping):
-        raise ValueError('--limit-mm-per-prompt must be a JSON object, e.g. {"image": 4}')
-    counts = {k: v.get("count") if isinstance(v, Mapping) else v for k, v in value.items()}
-    for modality, count in counts.items():
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count >= 0, got "
-                             f"{value[modality]!r}")
-        if modality != "image" and count > 0:
-            raise ValueError(f"--limit-mm-per-prompt: {modality} inputs are not supported; "
-                             f"only 'image' may be above 0, got {modality}={count}")
-    return counts.get("image", DEFAULT_IMAGE_LIMIT)
 
 
 def check_image_count(count: int, limit: int, param: str = "messages") -> None:

@@ -6,7 +6,7 @@ never import the worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,3 +21,15 @@ class ForwardBatch:
     attn: AttentionMetadata  # the attention backend's metadata (paged KV layers)
     logits_indices: torch.Tensor  # [num_sampled] rows whose hidden state gives logits
     state: GDNMetadata | None = None  # the recurrent backend's metadata (Gated DeltaNet layers)
+    mm: MultiModalBatch | None = None  # image rows and [3, T] positions, when a request has images
+
+
+@dataclass
+class MultiModalBatch:
+    """The images of a step (``worker/mm_inputs.py``): M-RoPE positions for every token, and
+    the vision tower's rows that replace the image placeholders' embeddings."""
+
+    mrope_positions: torch.Tensor  # [3, T]
+    rows: torch.Tensor | None = None  # [R] batch rows of image tokens
+    embeds: torch.Tensor | None = None  # [R, hidden]
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # [R, hidden] per tapped layer

@@ -76,12 +76,24 @@ def read_hf_config(folder: str, hf_overrides: dict | None = None
     text_config.architectures = architectures
     if architectures != raw.get("architectures"):  # the name the user gave, for the pooler
         text_config.original_architectures = raw.get("architectures")
+    _attach_vision(config, text_config)
     if "quantization_config" in raw and not hasattr(text_config, "quantization_config"):
         text_config.quantization_config = raw["quantization_config"]
     ckpt_dtype = str(raw.get("torch_dtype") or raw.get("dtype")
                      or (raw.get("text_config") or {}).get("dtype") or "float32")
     eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
     return text_config, _merge_ids((), eos), ckpt_dtype
+
+
+def _attach_vision(config: PretrainedConfig, text_config: PretrainedConfig) -> None:
+    """A vision-language checkpoint's tower config and image token ids ride on the text config
+    (the one config the model classes receive)."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None or text_config is config:
+        return
+    text_config.vision_config = vision
+    for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(text_config, name, getattr(config, name))
 
 
 def _read_generation_config(folder: str, mode: str) -> dict:

@@ -19,7 +19,7 @@ Qwen3.5's four matrices while loading (``split_qwen3_next_projections``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,10 @@ from qwenserve.logger import init_logger
 from qwenserve.models.base import STACKED_PARAMS, ModelContext, kv_heads_per_rank
 from qwenserve.models.dense import MLP, DecoderModel, DenseForCausalLM
 from qwenserve.models.qwen3_5_layers import GDNInProj, sharded_parameter
+from qwenserve.models.vision_language import VisionLanguageMixin
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = init_logger(__name__)
 
@@ -280,8 +284,9 @@ def split_qwen3_next_projections(weights: Iterable[tuple[str, torch.Tensor]], cf
             yield name, tensor
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The published VLM checkpoints, served as text models."""
+class Qwen3_5ForConditionalGeneration(VisionLanguageMixin, Qwen3_5ForCausalLM):
+    """The published VLM checkpoints: the text model plus the vision tower and M-RoPE
+    (``models/vision_language.py``); text only with ``--language-model-only``."""
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):

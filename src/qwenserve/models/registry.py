@@ -20,6 +20,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("qwenserve.models.qwen3_5",
                                            "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("qwenserve.models.qwen3_vl",
+                                        "Qwen3VLForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3NextForCausalLM"),
 }
 

@@ -12,7 +12,11 @@ becomes 2 x 3 = 6 tokens):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qwenserve.multimodal.processor import ProcessedImage
 
 
 @dataclass(frozen=True)
@@ -127,3 +131,17 @@ def image_slices(placements: Sequence[ImagePlacement], start: int,
         if lo < hi:
             slices.append(ImageSlice(index, lo - start, lo - image.offset, hi - image.offset))
     return slices
+
+
+@dataclass(frozen=True)
+class MultiModalInputs:
+    """A request's images as the engine needs them: where they sit in the prompt (the scheduler
+    and the prefix-cache keys read this) and their processed pixels (only the workers read
+    those; the scheduler passes them along untouched)."""
+
+    placements: list[ImagePlacement]
+    mrope_position_delta: int
+    images: list[ProcessedImage] = field(default_factory=list, repr=False)  # per placement
+
+    def block_extra_key(self, start: int, end: int) -> bytes:
+        return block_extra_key(self.placements, start, end)

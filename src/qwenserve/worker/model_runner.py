@@ -25,6 +25,7 @@ from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.worker.pooler import pool
+from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
@@ -73,16 +74,26 @@ class ModelRunner:
         self.proposer = proposer  # speculative decoding (driver only)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # Requests with images, and the vision tower's outputs they hold (worker/mm_inputs.py)
+        self.images: dict[str, RequestImages] = {}
+        self.encoder_cache = EncoderCache()
 
     # ---- state --------------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_request_ids + sched.preempted_request_ids:
+            if request_id in self.images:  # preempted: re-encoded when recomputed
+                self.encoder_cache.release_all(request_id, self.images[request_id])
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.images.pop(request_id, None)
             if self.grammars is not None:
                 self.grammars.remove(request_id)
         for new in sched.new_requests:
             if self.grammars is not None and not self.grammars.has(new.request_id):
                 self.grammars.add(new.request_id, new.sampling_params, new.output_token_ids)
+            if new.mm_inputs is not None and new.request_id not in self.images:
+                self.images[new.request_id] = RequestImages.build(
+                    new.mm_inputs, len(new.prompt_token_ids))
             old = self.requests.get(new.request_id)
             if old is not None:  # resumed after preemption: keep the generator's position
                 old.block_ids, old.state_slot = list(new.block_ids), new.state_slot
@@ -228,6 +239,8 @@ class ModelRunner:
             attn=self.attn_backend.build_metadata(layouts, self.block_size, device),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             state=state,
+            mm=build_mm_batch(chunks, self.images, self.encoder_cache,
+                              getattr(self.model, "encode_images", None), device),
         )
 
     def _prompt_scoring(self, chunks: list[ScheduledChunk]) -> list[PromptScoring]:

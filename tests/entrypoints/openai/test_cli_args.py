@@ -285,3 +285,18 @@ def make_chat_parser():
     parser = argparse.ArgumentParser()
     chat.add_arguments(parser)
     return parser
+
+
+def test_serve_parser_is_a_subclass_without_an_import_circle():
+    """Issue 14: no rebinding of ``parse_known_args``, and cli_args does not import api_server
+    (which imports cli_args)."""
+    import inspect
+
+    from qwenserve.entrypoints.cli import build_parser
+    from qwenserve.entrypoints.openai import cli_args
+
+    source = inspect.getsource(cli_args)
+    assert "api_server" not in source and "MethodType" not in source
+    parser = build_parser("serve")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-queued-sequences", "-1"])  # validated as a subparser

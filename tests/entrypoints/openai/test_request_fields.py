@@ -20,6 +20,7 @@ DOCS = Path(__file__).resolve().parents[3] / "docs" / "serving.md"
 HONOURED = {
     "model": {"model": SERVED},
     "messages": {},
+    "mm_processor_kwargs": {"mm_processor_kwargs": {"max_pixels": 4096}},  # no images: nothing to do
     "prompt": {"prompt": [5, 6, 7]},
     "frequency_penalty": {"frequency_penalty": 0.5},
     "presence_penalty": {"presence_penalty": 0.5},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 
 _ROOT = b"qwenserve-prefix-root"
 
@@ -23,10 +24,16 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -
 
 
 def extend_block_hashes(
-    block_hashes: list[bytes], token_ids: list[int], block_size: int, num_tokens: int
+    block_hashes: list[bytes], token_ids: list[int], block_size: int, num_tokens: int,
+    extra_key: Callable[[int, int], bytes] | None = None,
 ) -> None:
-    """Append hashes for every full block of ``token_ids[:num_tokens]`` not hashed yet."""
+    """Append hashes for every full block of ``token_ids[:num_tokens]`` not hashed yet.
+
+    ``extra_key(start, end)`` adds what the token ids of a block do not show (the content
+    hashes of the images among them, ``Request.block_extra_key``)."""
     num_full = num_tokens // block_size
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i else None
-        block_hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
+        start, end = i * block_size, (i + 1) * block_size
+        extra = extra_key(start, end) if extra_key is not None else b""
+        block_hashes.append(hash_block(parent, token_ids[start:end], extra))

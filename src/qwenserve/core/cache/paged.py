@@ -29,7 +29,8 @@ class PagedKVManager:
         if not self.enable_prefix_caching:
             return []
         tokens = req.all_token_ids
-        extend_block_hashes(req.block_hashes, tokens, self.block_size, len(tokens))
+        extend_block_hashes(req.block_hashes, tokens, self.block_size, len(tokens),
+                            req.block_extra_key)
         hit: list[int] = []
         for block_hash in req.block_hashes[: (len(tokens) - 1) // self.block_size]:
             block_id = self.pool.lookup(block_hash)
@@ -68,7 +69,8 @@ class PagedKVManager:
         if num_full <= start:
             return
         extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
-                            num_full * self.block_size)
+                            num_full * self.block_size,
+                            req.block_extra_key)
         for i in range(start, num_full):
             self.pool.cache(blocks[i], req.block_hashes[i])
         self.num_cached_blocks[req.request_id] = num_full

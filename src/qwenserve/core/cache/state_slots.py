@@ -158,7 +158,8 @@ class StateSlotManager:
     # ---- checkpoint rules (hybrid prefix caching) -------------------------------------------
     def _hash_at(self, req: Request, num_tokens: int) -> bytes:
         """The prefix hash of the block that ends at ``num_tokens`` (a block boundary)."""
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_tokens)
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_tokens,
+                            req.block_extra_key)
         return req.block_hashes[num_tokens // self.block_size - 1]
 
     def trim_hit(self, req: Request, hit: list[int]) -> list[int]:

@@ -20,10 +20,11 @@ from qwenserve.entrypoints.chat_utils import (
     normalize_messages,
     render_chat,
 )
+from qwenserve.entrypoints.media_parts import ImageSource
 from qwenserve.entrypoints.openai.errors import OpenAIError, bad_request
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
 from qwenserve.entrypoints.openai.reasoning import REASONING_PARSERS
-from qwenserve.entrypoints.openai.serving_engine import (
+from qwenserve.entrypoints.openai.serving_common import (
     ServerState,
     build_sampling_params,
     chat_logprobs,
@@ -42,6 +43,7 @@ from qwenserve.entrypoints.openai.tool_parsers import (
     merge_deltas,
 )
 from qwenserve.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolsParser
+from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import SamplingParams
 
@@ -80,6 +82,7 @@ class ChatJob:
     created: int
     start_s: float
     constraint_source: str | None = None  # the field that constrains the output, if any
+    mm_inputs: MultiModalInputs | None = None  # the prompt's images, processed
 
 
 def _check_tool_choice(state: ServerState, req: ChatCompletionRequest) -> bool:
@@ -116,8 +119,10 @@ def render_prompt(
     tools: list[Any] | None,
     template_kwargs: dict[str, Any],
     documents: list[dict] | None = None,
+    images: list[ImageSource] | None = None,
 ) -> str:
-    """Messages -> prompt text with the request's, the server's or the model's template."""
+    """Messages -> prompt text with the request's, the server's or the model's template. Image
+    parts become the model's placeholder and are appended to ``images`` (None: refused)."""
     if chat_template is not None and not state.options.trust_request_chat_template:
         raise bad_request(
             "Chat template is passed with request, but "
@@ -132,7 +137,14 @@ def render_prompt(
         )
     fmt = "openai" if state.options.chat_template_content_format == "openai" else "string"
     try:
-        dicts = normalize_messages([m.model_dump(exclude_none=True) for m in messages], fmt)
+        dicts = [m.model_dump(exclude_none=True) for m in messages]
+        chat = state.images.extract(dicts, fmt)
+        if chat.images and images is None:
+            raise ChatMessageError("image parts are not supported here; send them to "
+                                   "/v1/chat/completions", chat.images[0].param)
+        if images is not None:
+            images.extend(chat.images)
+        dicts = normalize_messages(chat.messages, fmt)
         if documents:
             template_kwargs = {**template_kwargs, "documents": documents}
         return render_chat(
@@ -150,7 +162,8 @@ def render_prompt(
         raise bad_request(str(e), "messages") from e
 
 
-def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str | None) -> ChatJob:
+def prepare_chat(state: ServerState, req: ChatCompletionRequest,
+                 request_id: str | None) -> ChatJob:
     model = state.check_model(req.model)
     parse_tools = _check_tool_choice(state, req)
     if req.top_logprobs is not None and req.top_logprobs < 0:
@@ -162,6 +175,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
     if req.echo:
         raise bad_request("echo is not supported by qwenserve's chat endpoint yet", "echo")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    images: list[ImageSource] = []
     text = render_prompt(
         state,
         req.messages,
@@ -171,10 +185,16 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         tools=tools,
         template_kwargs=_template_kwargs(state, req),
         documents=req.documents,
+        images=images,
     )
     state.check_prompt_chars(text, "messages")
-    ids = truncate_prompt(req, state, state.tokenizer.encode(
-        text, add_special_tokens=req.add_special_tokens))
+    ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    # On the CPU pool (``state.offload``): fetching, decoding and processing block here.
+    ids, mm_inputs = state.images.expand(images, ids, req.mm_processor_kwargs)
+    if mm_inputs is not None and req.truncate_prompt_tokens is not None:
+        raise bad_request("truncate_prompt_tokens cannot be used with images (it could cut an "
+                          "image's tokens)", "truncate_prompt_tokens")
+    ids = truncate_prompt(req, state, ids)
     if not ids:
         raise bad_request("The chat template rendered an empty prompt", "messages")
     requested = (
@@ -197,6 +217,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, request_id: str
         int(time.time()),
         time.monotonic(),
         source,
+        mm_inputs,
     )
 
 

@@ -196,6 +196,7 @@ def _plan_dict(p: RankPlan, max_len: int) -> dict:
            "kv_bytes_per_token": p.kv_bytes_per_token,
            "state_bytes_per_sequence": p.state_bytes_per_seq,
            "activation_reserve_bytes": p.activation_bytes,
+           "vision_weight_bytes": p.details.get("vision", 0),
            "kv_cache_budget_bytes": p.budget_bytes,
            "largest_max_model_len": p.largest_max_model_len, "error": p.error}
     if p.cache is not None:

@@ -95,15 +95,20 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
     if inputs.quantization == "int8" and not envs.int8_float_vocab():
         quantizable |= {id(m.weight) for m in model.modules()
                         if isinstance(m, VocabParallelEmbedding)}
+    # The vision tower runs in the model dtype whatever the quantization (as the engine loads it).
+    tower = getattr(model, "visual", None)
+    vision = {id(t) for t in tower.parameters()} if tower is not None else set()
     width = QUANT_WIDTHS.get(inputs.quantization)
     overhead = QUANT_GROUP_OVERHEAD.get(inputs.quantization, 0.0)
     seen: set[int] = set()
-    totals = {"linear": 0, "other": 0, "scales": 0}
+    totals = {"linear": 0, "other": 0, "scales": 0, "vision": 0}
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        if id(tensor) in quantizable:
+        if id(tensor) in vision:
+            totals["vision"] += tensor.numel() * tensor.element_size()
+        elif id(tensor) in quantizable:
             if width is None:
                 totals["linear"] += tensor.numel() * tensor.element_size()
             else:  # plus one fp32 scale per output channel
@@ -128,7 +133,28 @@ def activation_bytes(inputs: PlanInputs) -> int:
     mlp = 3 * max(inter, moe) // inputs.tp
     per_token = (4 * cfg.hidden_size + qkv + mlp) * act
     logits = inputs.max_num_seqs * cfg.vocab_size * 4 * 3  # fp32 logits, probs, sort buffer
-    return int(tokens * per_token * 2 + logits)
+    return int(tokens * per_token * 2 + logits) + vision_activation_bytes(inputs)
+
+
+def vision_activation_bytes(inputs: PlanInputs) -> int:
+    """Peak activations of the vision tower on the largest image one step may encode.
+
+    The encoder budget (core/encoder_budget.py) is the token budget, in language-model tokens,
+    so one step encodes at most ``max_num_batched_tokens x merge^2`` patches. Per patch a block
+    holds the hidden state, q/k/v, the attention output and the MLP's hidden layer (split over
+    ranks by heads), twice for the residual stream; memory-efficient attention kernels keep no
+    [patches x patches] score matrix. The tower's tokens then sit in the encoder cache.
+    """
+    vision = getattr(inputs.hf_config, "vision_config", None)
+    if vision is None:
+        return 0
+    act = _DTYPE_BYTES[inputs.dtype]
+    patches = inputs.max_num_batched_tokens * vision.spatial_merge_size**2
+    hidden, inter = vision.hidden_size, vision.intermediate_size
+    per_patch = (4 * hidden + (3 * hidden + hidden + inter) // inputs.tp) * act
+    cache = inputs.max_num_batched_tokens * vision.out_hidden_size * act * (
+        1 + len(getattr(vision, "deepstack_visual_indexes", None) or []))
+    return int(patches * per_patch * 2 + cache)
 
 
 def plan_rank(inputs: PlanInputs, budget_for: Any) -> RankPlan:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from qwenserve.entrypoints.openai.admission import Admission
+from qwenserve.entrypoints.openai.chat_images import ServerImages
 from qwenserve.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -110,6 +111,7 @@ class ServerState:
         )
         self._counter = itertools.count()
         self._grammars: GrammarService | None = None
+        self.images = ServerImages(engine)  # image parts of chats (chat_images.py)
         self._grammars_lock = threading.Lock()  # first use may come from two pool threads
         # Tokenizing and template rendering run here, not on the event loop, so that one big
         # request cannot keep /health and every stream waiting (the tokenizer drops the GIL).
@@ -282,6 +284,11 @@ def engine_error(error: BaseException) -> OpenAIError:
         return error
     if isinstance(error, ValueError):
         return from_value_error(error)
+    from qwenserve.engine.async_engine import EngineDeadError
+
+    if isinstance(error, EngineDeadError):
+        logger.error("A request failed: the engine is not running (%s)", error)
+        return OpenAIError("The engine is not running; the server must be restarted", 503)
     return internal_error(logger, "A request failed in the engine", error, 503)
 
 
