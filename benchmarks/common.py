@@ -71,6 +71,34 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def resident_bytes(address: int, nbytes: int) -> int:
+    """How many bytes of [address, address + nbytes) are in RAM, from /proc/self/pagemap
+    (bit 63 of each page's entry: present). A tensor made with ``torch.empty`` is only address
+    space until written: its untouched pages count in no RSS figure."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = address // page, (address + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read((last - first + 1) * 8)
+    present = sum(entries[i + 7] >> 7 for i in range(0, len(entries), 8))
+    return present * page
+
+
+def install_engine_kernels() -> None:
+    """Give this process what qwenserve's CPU platform gives the engine: glibc keeps freed
+    memory (``configure_process``) and float32 ``F.linear`` goes to the platform's oneDNN GEMM
+    (every ``nn.Linear`` calls ``F.linear``), so an HF baseline runs the same kernels."""
+    import torch
+
+    from qwenserve.platforms.cpu import CpuPlatform
+
+    platform = CpuPlatform()
+    platform.configure_process()
+    linear = platform.float_linear()
+    if linear is not None:
+        torch.nn.functional.linear = linear
+
+
 def run_in_subprocess(script: str, *args: str, timeout: float = 7200) -> dict:
     """Run ``python script --worker ARGS`` and parse the JSON line it prints last."""
     cmd = [sys.executable, script, *args]

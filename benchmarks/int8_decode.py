@@ -8,6 +8,11 @@ thread count is measured in turn (default: 1 and all cores): on a host whose cor
 other work, every multi-threaded GEMM waits for its worker threads to be scheduled.
 
     python benchmarks/int8_decode.py [--repeats 3] [--steps 16] [--prompt-len 32] [--threads 1,2]
+    python benchmarks/int8_decode.py --repeats 5 --max-repeats 15   # pairs until stable
+
+The speed-up is reported per alternated pair with its spread (quartiles, min-max): on a busy
+host single pairs range widely, and a median of three is not a figure. ``--max-repeats`` keeps
+adding pairs while the interquartile range exceeds ``--stable-within`` of the median.
     python benchmarks/int8_decode.py --kernels [--threads 1]   # the per-shape GEMM choice
 """
 
@@ -100,7 +105,11 @@ def _kernel_times(x, weights, quantized) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="alternated pairs, at least")
+    parser.add_argument("--max-repeats", type=int, default=None,
+                        help="keep adding pairs up to this many until the spread is small")
+    parser.add_argument("--stable-within", type=float, default=0.1,
+                        help="stop once the speed-ups' interquartile range <= this x median")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per repeat")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", default=None,
@@ -127,16 +136,20 @@ def main() -> None:
     for threads in thread_counts:
         torch.set_num_threads(threads)
         steps: dict[str, list[float]] = {name: [] for name in engines}
-        pair_speedups = []
-        for rep in range(args.repeats):
+        pair_speedups: list[float] = []
+        rep = 0
+        while rep < args.repeats or (rep < (args.max_repeats or 0)
+                                     and not stable(pair_speedups, args.stable_within)):
             medians = {}
             for name, llm in engines.items():
                 times = decode_step_seconds(llm, prompt, args.steps, f"{name}-{threads}-{rep}")
                 steps[name] += times
                 medians[name] = statistics.median(times)
             pair_speedups.append(medians["float32"] / medians["int8"])
+            rep += 1
         report(engines, steps, pair_speedups, threads)
-    print(f"\ncommand: python benchmarks/int8_decode.py --repeats {args.repeats} --steps "
+    print(f"\ncommand: python benchmarks/int8_decode.py --repeats {args.repeats} "
+          f"--max-repeats {args.max_repeats or args.repeats} --steps "
           f"{args.steps} --prompt-len {args.prompt_len} --threads "
           f"{','.join(map(str, thread_counts))}")
 
@@ -153,9 +166,26 @@ def report(engines, steps, pair_speedups, threads: int) -> None:
     print("\n| weights | threads | all weights | linear layers | decode tokens/s |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nint8 / float32 decode speed per alternated pair: "
-          f"{', '.join(f'{s:.2f}' for s in pair_speedups)} "
-          f"(median {statistics.median(pair_speedups):.2f}x)")
+    q1, med, q3 = quartiles(pair_speedups)
+    print(f"\nint8 / float32 decode speed over {len(pair_speedups)} alternated pairs: median "
+          f"{med:.2f}x, quartiles {q1:.2f}-{q3:.2f}, range {min(pair_speedups):.2f}-"
+          f"{max(pair_speedups):.2f} (each pair: "
+          f"{', '.join(f'{s:.2f}' for s in pair_speedups)})")
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, med, q3
+
+
+def stable(values: list[float], within: float) -> bool:
+    """Enough pairs (5+) whose interquartile range is within ``within`` of their median."""
+    if len(values) < 5:
+        return False
+    q1, med, q3 = quartiles(values)
+    return q3 - q1 <= within * med
 
 
 if __name__ == "__main__":

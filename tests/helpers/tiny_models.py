@@ -129,10 +129,12 @@ def make_tiny_model(arch: str, path: str, seed: int = 0, **overrides: Any) -> st
     return path
 
 
-def load_hf_model(path: str) -> Any:
+def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
+    """HF's model (float64: its MoE experts as a plain loop, since grouped_mm has no float64)."""
     import transformers as tf
 
-    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kw = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).eval()
 
 
 @torch.no_grad()

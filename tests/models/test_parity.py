@@ -94,17 +94,30 @@ def test_multi_turn_follow_ups_restore_state_checkpoints(references, arch, setti
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logprobs_match_hf_logits(references, arch):
     """fp32 logprobs within 1e-4 of HF (dense: measured ~5e-6). The DeltaNet models' kernels
-    order their fp32 sums differently from HF's (as HF's own chunked and recurrent paths do);
-    with these large random weights the differences grow through the layers to a measured
-    2e-4 (dense) and 7e-3 (MoE, whose router amplifies them), hence 1e-2 there."""
-    tolerance = 1e-2 if arch in HYBRID else 1e-4
+    order their fp32 sums differently from HF's (as HF's own chunked and recurrent paths do),
+    and these large random weights amplify such differences through the layers, so their
+    tolerance is derived from the same amplification acting on HF: E = max |HF_fp32 - HF_fp64|
+    over the logprobs checked is what fp32 rounding alone does to this model, a run no less
+    accurate than HF's is within E of the float64 result too, and so within 2E of HF's
+    (triangle inequality; measured E ~1e-4 dense hybrid, larger with MoE routing)."""
     path, prompts, expected, hf = references(arch)
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=16)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy(logprobs=5))
+    hf64 = load_hf_model(path, torch.float64) if arch in HYBRID else None
+    checks = []
     for prompt, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
-        ref = torch.log_softmax(hf_logits(hf, prompt + tokens[:-1]), dim=-1)[len(prompt) - 1:]
-        for step, entry in enumerate(out.outputs[0].logprobs):
+        ids = prompt + tokens[:-1]
+        ref = torch.log_softmax(hf_logits(hf, ids).double(), dim=-1)[len(prompt) - 1:]
+        exact = None if hf64 is None else torch.log_softmax(hf_logits(hf64, ids), dim=-1)[
+            len(prompt) - 1:]
+        checks.append((out.outputs[0].logprobs, ref, exact))
+    tolerance = 1e-4
+    if arch in HYBRID:
+        tolerance = 2 * max(abs(ref[step, t] - exact[step, t]).item() for entries, ref, exact
+                            in checks for step, entry in enumerate(entries) for t in entry)
+    for entries, ref, _ in checks:
+        for step, entry in enumerate(entries):
             for token_id, lp in entry.items():
                 assert lp.logprob == pytest.approx(ref[step, token_id].item(), abs=tolerance)
             top = ref[step].topk(5).indices.tolist()
