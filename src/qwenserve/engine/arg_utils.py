@@ -304,10 +304,9 @@ class EngineArgs:
         from qwenserve.quantization import resolve_quantization
 
         source = resolve_source(self.model, self.revision, self.download_dir)
-        files = mc.read_model_files(source, self.generation_config)
+        files = mc.read_model_files(source, self.generation_config, self.hf_overrides)
         if self.language_model_only and hasattr(files.hf_config, "vision_config"):
             files.hf_config.vision_config = None  # no tower is built, images are refused
-        files = mc.read_model_files(source, self.generation_config, self.hf_overrides)
         quant_method, quant_config = resolve_quantization(files.hf_config, self.quantization)
         return ModelConfig(
             source=source,
