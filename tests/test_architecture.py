@@ -42,6 +42,7 @@ FLOORS = {
     "structured_output.config": 2,
     "multimodal": 2,  # image placement (plain data) and preprocessing
     "quantization.schemes": 3,  # which quantization a checkpoint uses (no torch)
+    "spec_decode.config": 3,  # --speculative-config parsing (no torch)
     "sampling_params": 3,
     "request": 4,
     "pooling": 4,  # what a pooling model returns, resolved from flags and config (no torch)
@@ -54,6 +55,8 @@ FLOORS = {
     "layers": 7,
     "quantization": 8,  # linear methods: implement layers' LinearMethod
     "models": 9,
+    "worker.sampler": 9,  # the sampling steps the speculative verifier shares
+    "spec_decode": 10,  # proposers, the verifying (rejection) sampler, state roll-back
     "structured_output": 10,
     "worker": 11,
     "engine": 12,

@@ -90,6 +90,21 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    num_speculative_tokens: int = 0  # most draft tokens verified per request and step
+    spec_disable_by_batch_size: int | None = None  # no drafts while this many requests run
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed (``--speculative-config``, parsed in ``spec_decode/config.py``).
+    ``disable_by_batch_size``: no drafts while this many or more requests run (vLLM's knob)."""
+
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 1
+    model: str | None = None  # draft_model: the drafter's folder, .gguf or hub id
+    disable_by_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,3 +137,5 @@ class EngineConfig:
     multimodal: MultiModalConfig = MultiModalConfig()
     load_format: str = "auto"  # auto | safetensors | dummy | sharded_state
     pooler: PoolerConfig | None = None  # --runner pooling: what a request returns
+    speculative: SpeculativeConfig | None = None
+    draft_model: ModelConfig | None = None  # the drafter (speculative method draft_model)

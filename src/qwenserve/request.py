@@ -62,6 +62,8 @@ class Request:
     first_token_time: float | None = None
     # prompt_logprobs requests: entry i scores prompt token i + 1 (plain data from the workers)
     prompt_logprobs: list = field(default_factory=list)
+    # speculative decoding: drafts proposed after the last step, verified in the next one
+    spec_token_ids: list[int] = field(default_factory=list)
     mm_inputs: MultiModalInputs | None = None  # the prompt's images, if any
 
     def block_extra_key(self, start: int, end: int) -> bytes:

@@ -210,3 +210,20 @@ def test_slow_consumer_gets_one_output_per_wakeup_with_every_token(engine):
     tokens, outputs = asyncio.run(main())
     fast, _ = asyncio.run(collect(engine, PROMPTS[2], "fast", delta_params(30)))
     assert tokens == fast and outputs == 1
+
+
+def test_tensor_parallel_under_the_engine_process(tiny_model, monkeypatch):
+    """The engine process is the rank-0 driver: TP=2 streams the tokens TP=1 gives offline."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two ranks on a shared CPU
+    args = engine_args(tiny_model)
+    args.tensor_parallel_size = 2
+    engine = AsyncEngine.from_engine_args(args, multiprocess=True)
+    try:
+        assert "x 2 ranks" in engine.device_description
+        tokens, _ = asyncio.run(collect(engine, PROMPTS[1], "tp", delta_params(8)))
+    finally:
+        engine.shutdown()
+    llm = LLM(tiny_model("qwen3"), dtype="float32", max_model_len=256)
+    offline = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert tokens == offline[0].outputs[0].token_ids

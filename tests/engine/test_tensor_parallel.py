@@ -21,11 +21,11 @@ PROMPTS = [[5, 17, 99, 3], list(range(10, 60)), [7, 300, 12], [42] * 20]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def greedy_tokens(path: str, tp: int) -> list[list[int]]:
+def greedy_tokens(path: str, tp: int, **kw) -> list[list[int]]:
     """Greedy tokens of PROMPTS, then of the same prompts again (prefix-cache hits; on hybrid
     models restored state checkpoints): both rounds must agree."""
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16,
-              kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp)
+              kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp, **kw)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     rounds = [[o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params)] for _ in range(2)]
@@ -40,6 +40,14 @@ def greedy_tokens(path: str, tp: int) -> list[list[int]]:
 def test_tp2_equals_tp1_with_chunked_prefill(tiny_model, arch):
     path = tiny_model(arch)
     assert greedy_tokens(path, 2) == greedy_tokens(path, 1)
+
+
+def test_tp2_with_ngram_speculation(tiny_model):
+    """Drafts reach every rank in the scheduler output; greedy output is unchanged."""
+    path = tiny_model("qwen2")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    assert greedy_tokens(path, 2, speculative_config=spec) == greedy_tokens(path, 1)
 
 
 def test_heads_must_divide(tiny_model):

@@ -31,6 +31,10 @@ class ScheduledChunk:
     ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``; a decode is a
     chunk of one token. ``sample`` is true when the chunk reaches the request's last known token,
     so the logits at its end give the next token (an intermediate prefill chunk samples nothing).
+
+    Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are draft tokens, not
+    yet part of the request; the workers verify them (one row of logits per token) and keep
+    the KV of those accepted.
     """
 
     request_id: str
@@ -38,6 +42,7 @@ class ScheduledChunk:
     start_pos: int
     new_block_ids: list[int]
     sample: bool
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -96,6 +101,10 @@ class ModelOutput:
     """Rank 0's answer to a SchedulerOutput: one sample per chunk with ``sample=True``."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens verified as accepted, which come before
+    # ``sampled`` (absent when none was), and the drafts proposed for each request's next step.
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # prompt_logprobs requests: request id -> (first position, one entry per position from it).
     # The entry at position p scores prompt token p + 1 (its ``token_id``) given tokens 0..p.
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)

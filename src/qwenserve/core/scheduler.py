@@ -6,6 +6,11 @@ waiting requests in arrival order (FCFS; a long prompt is prefilled over several
 cache runs out of blocks, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later. Nothing is lost: its
 output tokens are kept and recomputed as part of its prompt.
+
+Speculative decoding: a decode whose request has draft tokens (proposed by the workers after the
+previous step) takes 1 + k tokens of the budget; the workers verify them in the same forward
+pass and ``update`` keeps the KV of the accepted ones only (``num_computed_tokens`` stops after
+them; the blocks stay with the request and are overwritten by the next tokens).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from qwenserve.core.sched_output import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from qwenserve.metrics.stats import SchedulerStats
+from qwenserve.metrics.stats import SchedulerStats, SpecDecodingStats
 from qwenserve.request import Request, RequestStatus
 
 
@@ -37,6 +42,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # workers drop their state for these next step
         self.num_preemptions = 0
+        self._spec_stats = SpecDecodingStats()  # since the last take_spec_stats()
+        self.spec_totals = SpecDecodingStats()  # since start
         self._encoder_budget = EncoderBudget(limits.max_num_batched_tokens)
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -89,6 +96,8 @@ class Scheduler:
             if num_new == 0:  # its next image waits for a step with encoder budget left
                 i += 1
                 continue
+            drafts = self._drafts(req, num_new, budget)
+            num_new += len(drafts)
             alloc = self.cache.allocate(req, num_new)
             while alloc is None:
                 victim = self.running.pop()  # the most recently admitted, never one scheduled
@@ -97,7 +106,7 @@ class Scheduler:
                 if victim is req:
                     return budget
                 alloc = self.cache.allocate(req, num_new)
-            self._add_chunk(out, req, alloc)
+            self._add_chunk(out, req, alloc, drafts=drafts)
             budget -= alloc.num_tokens
             i += 1
         return budget
@@ -143,28 +152,46 @@ class Scheduler:
                          self._encoder_budget)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, alloc: Allocation,
-                   new_request: bool = False) -> None:
+                   new_request: bool = False, drafts: list[int] | None = None) -> None:
         """The request's chunk, and the state copies its allocation asks the workers for."""
         out.state_saves += alloc.state_saves
         out.state_restores += alloc.state_restores
+        drafts = (drafts or [])[: alloc.num_tokens - 1]
         # A new request's blocks travel in its NewRequestData; a running one's as an increment.
         out.chunks.append(self._chunk(req, alloc.num_tokens,
-                                      [] if new_request else alloc.new_block_ids))
+                                      [] if new_request else alloc.new_block_ids, drafts))
 
-    def _chunk(self, req: Request, num_new: int, new_blocks: list[int]) -> ScheduledChunk:
+    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The request's draft tokens to verify in this step's decode: at most what the budget,
+        ``max_tokens`` (k drafts may emit k + 1 tokens) and ``max_model_len`` leave room for."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        limit = self.limits.spec_disable_by_batch_size
+        if (not drafts or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1
+                or (limit is not None and len(self.running) >= limit)):
+            return []
+        room = min(self.limits.num_speculative_tokens, budget - 1,
+                   req.max_tokens - req.num_output_tokens - 1,
+                   self.limits.max_model_len - req.num_tokens)
+        return drafts[: max(room, 0)]
+
+    def _chunk(self, req: Request, num_new: int, new_blocks: list[int],
+               drafts: list[int]) -> ScheduledChunk:
         start = req.num_computed_tokens
+        num_known = num_new - len(drafts)
         return ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.token_ids_slice(start, start + num_new),
+            token_ids=req.token_ids_slice(start, start + num_known) + drafts,
             start_pos=start,
             new_block_ids=new_blocks,
-            sample=start + num_new == req.num_tokens,
+            sample=start + num_known == req.num_tokens,
+            num_draft_tokens=len(drafts),
         )
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -176,24 +203,48 @@ class Scheduler:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            req.num_computed_tokens += len(chunk.token_ids)
-            self.cache.cache_full_blocks(req)
+            req.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
             if req.request_id in model_out.prompt_logprobs:
                 _collect_prompt_logprobs(req, *model_out.prompt_logprobs[req.request_id])
             if not chunk.sample:
+                self.cache.cache_full_blocks(req)
                 continue
             if req.request_id in model_out.pooled:  # prefill-only: the prompt was the work
+                self.cache.cache_full_blocks(req)
                 self.running.remove(req)
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 updates.append(_update(req, None, model_out.pooled[req.request_id]))
                 continue
-            token = model_out.sampled[req.request_id]
+            tokens = (model_out.accepted.get(req.request_id, [])
+                      + [model_out.sampled[req.request_id]])
+            if chunk.num_draft_tokens:
+                self._spec_stats.observe(chunk.num_draft_tokens, len(tokens) - 1)
+                self.spec_totals.observe(chunk.num_draft_tokens, len(tokens) - 1)
+            updates += self._append_tokens(req, tokens, model_out)
+        return updates
+
+    def _append_tokens(self, req: Request, tokens: list[SampledToken],
+                       model_out: ModelOutput) -> list[RequestUpdate]:
+        """Append the step's tokens (several with accepted drafts) one at a time: a stop token
+        or ``max_tokens`` ends them early and the rest are dropped."""
+        updates = []
+        status = None
+        for i, token in enumerate(tokens):
             req.output_token_ids.append(token.token_id)
             status = self._stop_status(req, token.token_id)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
+            if status is not None or i == len(tokens) - 1:
+                break
             updates.append(_update(req, token))
+        # The KV holds every token but the last one emitted: the accepted drafts included.
+        req.num_computed_tokens = req.num_tokens - 1
+        if i == len(tokens) - 1:  # cut short, the recurrent state would not match: skip
+            self.cache.cache_full_blocks(req)
+        if status is not None:
+            self.running.remove(req)
+            self._finish(req, status)
+        else:
+            req.spec_token_ids = model_out.draft_token_ids.get(req.request_id, [])
+        updates.append(_update(req, token))
         return updates
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
@@ -213,6 +264,13 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
 
     # ---- observation --------------------------------------------------------------------------
+    def take_spec_stats(self) -> SpecDecodingStats | None:
+        """Speculative-decoding counters since the last call (None: not speculating)."""
+        if not self.limits.num_speculative_tokens:
+            return None
+        spec, self._spec_stats = self._spec_stats, SpecDecodingStats()
+        return spec
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),

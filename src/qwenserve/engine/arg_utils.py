@@ -30,6 +30,7 @@ from qwenserve.multimodal.config import (
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
+from qwenserve.spec_decode.config import parse_speculative_config
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -172,6 +173,10 @@ class EngineArgs:
     enable_expert_parallel: bool = _opt(
         "Shard MoE experts whole across the tensor-parallel ranks instead of slicing each "
         "expert.", default=False, group="ParallelConfig")
+    speculative_config: Any = _opt(
+        "Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": 3} (docs/spec_decode.md).", group="SpeculativeConfig")
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -246,6 +251,12 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        speculative = parse_speculative_config(self.speculative_config)
+        draft_model = None
+        if speculative is not None and speculative.model:  # the drafter, in the target's dtype
+            draft_model = EngineArgs(model=speculative.model, dtype=model_config.dtype,
+                                     download_dir=self.download_dir
+                                     ).create_model_config(platform)
         if self.load_format in ("dummy", "sharded_state") and model_config.quantization:
             raise ValueError(f"--load-format {self.load_format} with a "
                              f"{model_config.quantization} checkpoint is not implemented yet: "
@@ -265,6 +276,9 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=model_config.max_model_len,
+                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                spec_disable_by_batch_size=speculative.disable_by_batch_size
+                if speculative else None,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel),
@@ -273,6 +287,8 @@ class EngineArgs:
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            speculative=speculative,
+            draft_model=draft_model,
             multimodal=self._multimodal_config(),
         )
 

@@ -135,7 +135,14 @@ class ProcCoreClient:
                 pass
 
     def shutdown(self) -> None:
-        self.send(Shutdown())
+        payload = pickle.dumps(Shutdown(), protocol=5)
+        with self._send_lock:  # closing from here on: the engine's exit is not a death
+            if not self._closing:
+                self._closing = True
+                try:
+                    self._input.send(payload, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
         self._close(kill=False)
 
     def _close(self, kill: bool) -> None:
@@ -170,9 +177,9 @@ class ProcCoreClient:
 
     def _watch(self, sink: OutputSink) -> None:
         code = self._proc.wait()
+        time.sleep(0.2)  # let the engine's own last word (EngineFailed) arrive first
         if self._closing:
             return
-        time.sleep(0.2)  # let the engine's own last word (EngineFailed) arrive first
         sink.on_dead(f"the engine process (pid {self._proc.pid}) exited unexpectedly "
                      f"({_exit_status(code)})")
 

@@ -201,7 +201,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         model_out = self.executor.execute(sched_out)
         updates = self.scheduler.update(sched_out, model_out)
-        stats = IterationStats(num_scheduled_tokens=sched_out.num_scheduled_tokens)
+        stats = IterationStats(num_scheduled_tokens=sched_out.num_scheduled_tokens,
+                               spec_decoding=self.scheduler.take_spec_stats())
         outputs, stopped = self.outputs.process(updates, stats)
         for child_id, stop in stopped.items():
             self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED, stop)

@@ -95,6 +95,8 @@ class OutputProcessor:
         stopped: dict[str, str] = {}
         for update in updates:
             child_id = update.request_id
+            if child_id in stopped:  # speculative decoding: tokens after a stop string
+                continue
             parent_id, index = self.child_to_parent[child_id]
             state = self.requests[parent_id]
             stop = self._apply(state, state.completions[index], update, now, stats)

@@ -1,6 +1,7 @@
 """`qwenserve` command line: one entry point, one module per subcommand.
 
-Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is imported
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int`` (and may name
+its parser class as ``PARSER_CLASS``) and is imported
 only when that subcommand is used, so ``qwenserve doctor`` never pays for importing torch.
 """
 
@@ -12,7 +13,7 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("qwenserve.entrypoints.openai.cli_args", "Start the OpenAI-compatible API server"),
+    "serve": ("qwenserve.entrypoints.openai.api_server", "Start the OpenAI-compatible API server"),
     "chat": ("qwenserve.entrypoints.chat", "Chat with a model in the terminal (offline)"),
     "bench": ("qwenserve.tools.bench.cli", "Benchmark: serve | throughput | latency"),
     "plan": ("qwenserve.tools.plan.cli", "Will a model fit? Memory plan and the flags to use"),
@@ -31,11 +32,15 @@ def build_parser(subcommand: str | None) -> argparse.ArgumentParser:
     from qwenserve import __version__
 
     parser.add_argument("--version", action="version", version=f"qwenserve {__version__}")
-    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
+    module = importlib.import_module(SUBCOMMANDS[subcommand][0]) if subcommand else None
+    # A module may name its own parser class (``serve`` validates its flags on every parse).
+    parser_class = getattr(module, "PARSER_CLASS", argparse.ArgumentParser)
+    subparsers = parser.add_subparsers(
+        dest="subcommand", metavar="COMMAND", parser_class=parser_class
+    )
+    for name, (_, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        if name == subcommand:
-            module = importlib.import_module(module_name)
+        if name == subcommand and module is not None:
             module.add_arguments(sub)
             sub.set_defaults(_run=module.run)
     return parser

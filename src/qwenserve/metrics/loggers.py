@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from qwenserve.logger import init_logger
-from qwenserve.metrics.stats import EngineStats
+from qwenserve.metrics.stats import EngineStats, SpecDecodingStats
 
 logger = init_logger("qwenserve.engine")
 
@@ -19,8 +19,11 @@ class LoggingStatLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._last_queries = self._last_hits = 0
+        self._spec = SpecDecodingStats()
 
     def record(self, stats: EngineStats) -> None:
+        if stats.iteration.spec_decoding is not None:
+            self._spec.merge(stats.iteration.spec_decoding)
         self._prompt_tokens += stats.iteration.num_prompt_tokens
         self._generation_tokens += stats.iteration.num_generation_tokens
         now = time.monotonic()
@@ -36,6 +39,25 @@ class LoggingStatLogger:
             self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
             stats.num_running, stats.num_waiting, stats.num_preemptions,
             stats.kv_cache_usage * 100, 100.0 * hits / queries if queries else 0.0)
+        if stats.iteration.spec_decoding is not None:
+            self._log_spec_decoding(elapsed)
         self._last = now
         self._prompt_tokens = self._generation_tokens = 0
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+
+    def _log_spec_decoding(self, elapsed: float) -> None:
+        """vLLM's "SpecDecoding metrics" line: mean acceptance length counts the token every
+        verification emits, so it is 1 + accepted / drafts."""
+        spec, self._spec = self._spec, SpecDecodingStats()
+        if not spec.num_drafts:
+            return
+        per_pos = ", ".join(f"{n / spec.num_drafts:.3f}"
+                            for n in spec.num_accepted_tokens_per_pos)
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "
+            "tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d "
+            "tokens, Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+            1 + spec.num_accepted_tokens / spec.num_drafts,
+            spec.num_accepted_tokens / elapsed, spec.num_draft_tokens / elapsed,
+            spec.num_accepted_tokens, spec.num_draft_tokens, per_pos,
+            100.0 * spec.num_accepted_tokens / max(spec.num_draft_tokens, 1))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qwenserve.metrics.stats import EngineStats, FinishedRequestStats
+from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, SpecDecodingStats
 
 TTFT_BUCKETS = (
     0.001,
@@ -240,6 +240,16 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
+# Only with --speculative-config (as vLLM registers them), so not in METRICS' fixed set.
+SPEC_DECODE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
+    MetricSpec("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens", "counter",
+               "Number of accepted tokens."),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+               "Accepted tokens per draft position.", extra_labels=("position",)),
+)
+
 EXPORTED_METRICS: tuple[str, ...] = tuple(m.exposed_name for m in METRICS if not m.hidden)
 HIDDEN_METRICS: tuple[str, ...] = tuple(m.exposed_name for m in METRICS if m.hidden)
 
@@ -273,12 +283,13 @@ class PrometheusStatLogger:
     """Turns ``EngineStats`` into the ``vllm:*`` series of one registry."""
 
     def __init__(
-        self, registry: Any, model_name: str, max_model_len: int, show_hidden: bool = False
+        self, registry: Any, model_name: str, max_model_len: int, show_hidden: bool = False,
+        speculative: bool = False,
     ) -> None:
         self.registry = registry
         labels = {"model_name": model_name, "engine": "0"}
         self._m: dict[str, Any] = {}
-        for spec in METRICS:
+        for spec in METRICS + (SPEC_DECODE_METRICS if speculative else ()):
             if spec.hidden and not show_hidden:
                 continue
             metric = _make(spec, registry, max_model_len)
@@ -330,6 +341,17 @@ class PrometheusStatLogger:
                 m["vllm:time_per_output_token_seconds"].observe(itl)
         for finished in it.finished:
             self._record_finished(finished)
+        if stats.iteration.spec_decoding is not None and "vllm:spec_decode_num_drafts" in m:
+            self._record_spec_decoding(stats.iteration.spec_decoding)
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        m = self._m
+        m["vllm:spec_decode_num_drafts"].inc(spec.num_drafts)
+        m["vllm:spec_decode_num_draft_tokens"].inc(spec.num_draft_tokens)
+        m["vllm:spec_decode_num_accepted_tokens"].inc(spec.num_accepted_tokens)
+        per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.labels(position=str(position), **self._labels).inc(count)
 
     def _record_cumulative(self, stats: EngineStats) -> None:
         """The engine reports these as running totals; counters take the increase. A total that

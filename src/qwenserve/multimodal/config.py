@@ -49,6 +49,8 @@ def parse_limit_mm_per_prompt(value: str | Mapping[str, Any] | None) -> int:
     if not isinstance(value, Mapping):
         raise ValueError('--limit-mm-per-prompt must be a JSON object, e.g. {"image": 4}')
     counts = {k: v.get("count") if isinstance(v, Mapping) else v for k, v in value.items()}
+    # vLLM's dotted form (--limit-mm-per-prompt.image 0) gives the count as text
+    counts = {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in counts.items()}
     for modality, count in counts.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count >= 0, got "

@@ -1,7 +1,9 @@
 """ModelRunner: SchedulerOutput -> ForwardBatch -> logits -> sampled tokens.
 
 It keeps per-request state across steps (block table, sampling parameters, seeded generator and
-the token history for penalties); the scheduler only sends what changed.
+the token history for penalties); the scheduler only sends what changed. With speculative
+decoding, chunks carrying draft tokens are verified (``spec_decode/rejection.py``) and the
+proposer drafts the next tokens of every request it sampled.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode import state_rollback
+from qwenserve.spec_decode.proposer import Proposer
+from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.worker.pooler import pool
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
@@ -52,7 +57,8 @@ class ModelRunner:
     def __init__(self, model: Any, caches: ModelCaches, backends: Backends, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
-                 pooler: PoolerConfig | None = None) -> None:
+                 pooler: PoolerConfig | None = None,
+                 proposer: Proposer | None = None) -> None:
         self.model = model
         self.caches = caches
         self.attn_backend = backends.attention
@@ -65,6 +71,7 @@ class ModelRunner:
         # Structured outputs and thinking budgets: the driver's matchers (None on other ranks).
         self.grammars = grammars
         self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
+        self.proposer = proposer  # speculative decoding (driver only)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # Requests with images, and the vision tower's outputs they hold (worker/mm_inputs.py)
@@ -112,25 +119,39 @@ class ModelRunner:
         batch = self._prepare(chunks)
         self._copy_states(sched.state_saves)  # before the restores: they may read a new save
         self._copy_states(sched.state_restores)
+        verifying = [c for c in chunks if c.num_draft_tokens] \
+            if self.recurrent_backend is not None else []
+        saved = None if not verifying else state_rollback.snapshot(
+            self.caches, [self.requests[c.request_id].state_slot for c in verifying],
+            self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
         if self.pooler is not None:
             return self._pooled(chunks, hidden[batch.logits_indices])
+        if self.proposer is not None:
+            self.proposer.forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
         if not self.is_driver:
             return ModelOutput()
         sampled_chunks = [c for c in chunks if c.sample]
-        rows = [self._sampling_row(c.request_id) for c in sampled_chunks]
-        bitmask = None if self.grammars is None else self.grammars.bitmask(
-            [c.request_id for c in sampled_chunks], logits.shape[1])
-        tokens = sample(logits, rows, self.generator, bitmask)
         output = ModelOutput(prompt_logprobs=scored)
-        for chunk, token in zip(sampled_chunks, tokens):
-            self.requests[chunk.request_id].output_token_ids.append(token.token_id)
-            if self.grammars is not None:
-                self.grammars.accept(chunk.request_id, token.token_id)
-            output.sampled[chunk.request_id] = token
+        emitted = self._sample(logits, sampled_chunks)
+        if saved is not None:
+            self._roll_back_states(verifying, saved, dict(zip(
+                [c.request_id for c in sampled_chunks], [len(t) - 1 for t in emitted])))
+        for chunk, tokens in zip(sampled_chunks, emitted):
+            state = self.requests[chunk.request_id]
+            for token in tokens:
+                state.output_token_ids.append(token.token_id)
+                if self.grammars is not None:
+                    self.grammars.accept(chunk.request_id, token.token_id)
+            if len(tokens) > 1:
+                output.accepted[chunk.request_id] = tokens[:-1]
+            output.sampled[chunk.request_id] = tokens[-1]
+        if self.proposer is not None:
+            output.draft_token_ids = self.proposer.propose(self._draftable(sampled_chunks),
+                                                           self.requests)
         return output
 
     def _pooled(self, chunks: list[ScheduledChunk], last_hidden: torch.Tensor) -> ModelOutput:
@@ -140,6 +161,47 @@ class ModelRunner:
             return ModelOutput()
         finished = [c.request_id for c in chunks if c.sample]
         return ModelOutput(pooled=dict(zip(finished, pooled.cpu().tolist(), strict=True)))
+
+    def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
+                          num_accepted: dict[str, int]) -> None:
+        """Hybrid models: requests that rejected a draft get their pre-step recurrent state
+        back, then recompute it over the tokens they kept (``spec_decode/state_rollback.py``)."""
+        redo = [(i, c) for i, c in enumerate(verifying)
+                if num_accepted[c.request_id] < c.num_draft_tokens]
+        if not redo:
+            return
+        state_rollback.restore(self.caches, [self.requests[c.request_id].state_slot
+                                             for _, c in redo], saved, [i for i, _ in redo],
+                               self.device)
+        kept = [ScheduledChunk(c.request_id, c.token_ids[: 1 + num_accepted[c.request_id]],
+                               c.start_pos, [], False) for _, c in redo]
+        kept.sort(key=lambda c: len(c.token_ids) != 1)
+        batch = self._prepare(kept)
+        self.model(batch.input_ids, batch.positions, batch, self.caches)
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[list[Any]]:
+        """Per sampled chunk, the tokens it emits: one, or with drafts the accepted ones and
+        the next (``logits`` has 1 + num_draft_tokens rows per chunk)."""
+        if not any(c.num_draft_tokens for c in chunks):
+            rows = [self._sampling_row(c.request_id) for c in chunks]
+            bitmask = None if self.grammars is None else self.grammars.bitmask(
+                [c.request_id for c in chunks], logits.shape[1])
+            return [[t] for t in sample(logits, rows, self.generator, bitmask)]
+        rows, row_ids, drafts = [], [], []
+        for c in chunks:
+            draft = c.token_ids[len(c.token_ids) - c.num_draft_tokens:]
+            drafts.append(draft)
+            rows += [self._sampling_row(c.request_id, draft[:j]) for j in range(len(draft) + 1)]
+            row_ids += [c.request_id] * (len(draft) + 1)
+        bitmask = None if self.grammars is None else self.grammars.bitmask(
+            row_ids, logits.shape[1])
+        return verify(logits, rows, drafts, self.generator, bitmask)
+
+    def _draftable(self, chunks: list[ScheduledChunk]) -> list[str]:
+        """Requests to draft for: not grammar-constrained (their drafts would have to be
+        checked against the matcher; they simply decode one token a step)."""
+        return [c.request_id for c in chunks
+                if self.grammars is None or not self.grammars.has(c.request_id)]
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy recurrent-state slots (conv and SSM state of every DeltaNet layer) src -> dst;
@@ -161,8 +223,9 @@ class ModelRunner:
                                        self.requests[c.request_id].block_ids))
             input_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.start_pos + n))
-            if c.sample:
-                logits_indices.append(len(input_ids) - 1)
+            if c.sample:  # a verify chunk: a row per draft token and one after them
+                logits_indices.extend(range(len(input_ids) - 1 - c.num_draft_tokens,
+                                            len(input_ids)))
         device = self.device
         state = None
         if self.recurrent_backend is not None:
@@ -207,7 +270,8 @@ class ModelRunner:
                 entries += prompt_logprobs(logits, targets, scoring.num_logprobs)
         return entries
 
-    def _sampling_row(self, request_id: str) -> SamplingRow:
+    def _sampling_row(self, request_id: str, drafts: list[int] | None = None) -> SamplingRow:
+        """``drafts``: the draft tokens before this row, part of its history for penalties."""
         state = self.requests[request_id]
-        return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
-                           state.generator)
+        output = state.output_token_ids + drafts if drafts else state.output_token_ids
+        return SamplingRow(state.params, state.prompt_token_ids, output, state.generator)

@@ -32,6 +32,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            bitmask: torch.Tensor | None = None) -> list[SampledToken]:
     """logits [B, V] float32 -> one SampledToken per row. ``bitmask`` [B, ceil(V / 32)] int32:
     the grammar's allowed tokens per row (all ones for rows without a grammar)."""
+    logprobs, logits = process_logits(logits, rows, bitmask)
+    token_ids = _choose(logits, rows, default_generator)
+    return package(token_ids, logprobs, rows)
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
+                   bitmask: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(logprobs of the raw logits when a row asks for them, the logits after the processors,
+    the bitmask and the penalties): everything before the draw, shared with the speculative
+    verifier (``spec_decode/rejection.py``)."""
     logprobs = _logprobs(logits, rows)
     logits = logits.clone()
     _mask_stop_tokens(logits, rows)
@@ -39,8 +50,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     if bitmask is not None:
         apply_token_bitmask(logits, bitmask)
     _apply_penalties(logits, rows)
-    token_ids = _choose(logits, rows, default_generator)
-    return _package(token_ids, logprobs, rows)
+    return logprobs, logits
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Processed logits of random (non-greedy) rows -> the distribution they are drawn from:
+    temperature, then min_p, top_k and top_p."""
+    scaled = logits / _column([p.temperature for p in params], logits)
+    return _truncate(scaled, params).softmax(dim=-1)
 
 
 def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
@@ -136,8 +153,7 @@ def _choose(logits: torch.Tensor, rows: list[SamplingRow],
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
         return token_ids
-    sub = logits[random_rows] / _column([rows[i].params.temperature for i in random_rows], logits)
-    probs = _truncate(sub, [rows[i].params for i in random_rows]).softmax(dim=-1)
+    probs = probabilities(logits[random_rows], [rows[i].params for i in random_rows])
     noise = torch.empty_like(probs)
     for j, i in enumerate(random_rows):
         noise[j].exponential_(generator=rows[i].generator or default_generator)
@@ -165,7 +181,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _package(token_ids: torch.Tensor, logprobs: torch.Tensor | None,
+def package(token_ids: torch.Tensor, logprobs: torch.Tensor | None,
              rows: list[SamplingRow]) -> list[SampledToken]:
     ids = token_ids.tolist()
     if logprobs is None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qwenserve.config import EngineConfig
+from qwenserve.config import EngineConfig, ModelConfig
 from qwenserve.core.cache.plan import (
     CachePlan,
     CacheTooSmallError,
@@ -32,6 +32,9 @@ from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
 from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode.draft_model import DraftModelProposer
+from qwenserve.spec_decode.proposer import NgramLookup, Proposer
+from qwenserve.spec_decode.support import check_speculative
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.caches import allocate_caches
@@ -61,6 +64,13 @@ class Worker:
         self.ssm_dtype = _DTYPES[config.cache.ssm_state_dtype]
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
                                                 self.dtype.itemsize, self.ssm_dtype.itemsize)
+        # Speculative decoding with a draft model: its own paged KV group in the same budget.
+        draft = config.draft_model
+        self.draft_cls = load_model_class(draft.architecture) if draft is not None else None
+        self.draft_specs = [] if draft is None else self.draft_cls.cache_specs(
+            draft.hf_config, tp.world_size, self.dtype.itemsize)
+        self.draft_model: Any = None
+        check_speculative(config, self.specs, self.draft_specs)
         self.model: Any = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -69,22 +79,32 @@ class Worker:
     # ---- start-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
-        mc = self.config.model
+        self.model = self._load(self.config.model, self.model_cls, self._quant())
+        if self.draft_cls is not None:
+            self.draft_model = self._load(self.config.draft_model, self.draft_cls, None,
+                                          is_draft=True)
+        self.load_s = time.perf_counter() - start
+
+    def _load(self, mc: ModelConfig, model_cls: Any, quant: QuantConfig | None,
+              is_draft: bool = False) -> Any:
+        """The target model, or (``is_draft``) a speculative-decoding drafter: its own plain
+        checkpoint, never pooled nor per-rank sharded."""
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
                            max_model_len=mc.max_model_len, tp=self.tp,
-                           backends=self.backends, quant=self._quant(),
+                           backends=self.backends, quant=quant,
                            ssm_dtype=self.ssm_dtype,
                            expert_parallel=self.config.parallel.enable_expert_parallel)
         try:
             with torch.device(self.device):
-                model = self.model_cls(ctx)
+                model = model_cls(ctx)
             weights = iter_weights(mc.source, mc.hf_config)
-            if self.config.pooler is not None and self.config.pooler.kind == "embed":
+            if not is_draft and self.config.pooler is not None \
+                    and self.config.pooler.kind == "embed":
                 model.lm_head = None  # an embedding model has no use (and often no weights)
                 weights = embedding_checkpoint_names(weights)
             if self.config.load_format == "dummy":
                 fill_dummy_weights(model, self.config.seed)
-            elif self.config.load_format == "sharded_state":
+            elif self.config.load_format == "sharded_state" and not is_draft:
                 load_sharded_state(model, mc.source.folder, self.tp.rank, self.tp.world_size)
             else:
                 model.load_weights(weights, mc.source.gguf_file or mc.source.folder)
@@ -96,8 +116,7 @@ class Worker:
                 f"{self.device}. Use more devices (--tensor-parallel-size), a quantized "
                 "checkpoint (--quantization), or a smaller model."
             ) from e
-        self.model = model.eval()
-        self.load_s = time.perf_counter() - start
+        return model.eval()
 
     def _quant(self) -> QuantConfig | None:
         if self.config.model.quantization is None:
@@ -144,14 +163,15 @@ class Worker:
     def plan_cache(self) -> CachePlan:
         cache, sched = self.config.cache, self.config.scheduler
         override = cache.num_gpu_blocks_override
+        specs = self.specs + self.draft_specs
         if override is None:
-            return plan_cache(self.specs, self.cache_budget_bytes(), cache.block_size,
+            return plan_cache(specs, self.cache_budget_bytes(), cache.block_size,
                               sched.max_num_seqs, sched.max_model_len)
         # Testing knob: exactly `override` KV blocks (state slots sized as usual).
-        per_seq = sum(s.bytes_per_seq for s in self.specs if isinstance(s, RecurrentStateSpec))
+        per_seq = sum(s.bytes_per_seq for s in specs if isinstance(s, RecurrentStateSpec))
         roomy = 2 * (sched.max_num_seqs + 1) * per_seq + (override + 1) * cache.block_size * sum(
-            s.bytes_per_token for s in self.specs if isinstance(s, PagedKVSpec))
-        plan = plan_cache(self.specs, roomy, cache.block_size, sched.max_num_seqs, 1)
+            s.bytes_per_token for s in specs if isinstance(s, PagedKVSpec))
+        plan = plan_cache(specs, roomy, cache.block_size, sched.max_num_seqs, 1)
         plan = dataclasses.replace(plan, num_blocks=override)
         if plan.token_capacity < sched.max_model_len:
             raise CacheTooSmallError(f"num_gpu_blocks_override={override} holds "
@@ -170,12 +190,27 @@ class Worker:
             if self.tp.is_driver and self.config.pooler is None else None
         self.runner = ModelRunner(self.model, caches, self.backends, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed,
-                                  self.has_state, grammars, self.config.pooler)
+                                  self.has_state, grammars, self.config.pooler,
+                                  self._proposer(plan))
 
     @property
     def has_state(self) -> bool:
         """Whether the model has recurrent-state layers (the runner builds their metadata)."""
         return any(isinstance(s, RecurrentStateSpec) for s in self.specs)
+
+    def _proposer(self, plan: CachePlan) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None or not self.tp.is_driver:
+            return None
+        if self.draft_model is None:
+            return NgramLookup(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                               spec.num_speculative_tokens, spec.disable_by_batch_size)
+        # The drafter's KV: same block layout as the target's (dense drafters only).
+        caches = allocate_caches(self.draft_specs, self.draft_model, plan.num_blocks,
+                                 plan.block_size, 0, self.dtype, self.device, zeroed=False)
+        return DraftModelProposer(self.draft_model, caches, self.backends.attention,
+                                  plan.block_size, self.device, spec.num_speculative_tokens,
+                                  spec.disable_by_batch_size)
 
     def warm_up(self) -> None:
         """Run one small prefill and one decode so the first request does not pay for kernel

@@ -14,7 +14,7 @@ import pytest
 
 from qwenserve.entrypoints.openai.api_server import _build_app
 from qwenserve.entrypoints.openai.cli_args import make_serve_parser
-from qwenserve.entrypoints.openai.serving_engine import ServerState, ServingOptions
+from qwenserve.entrypoints.openai.serving_common import ServerState, ServingOptions
 from qwenserve.metrics.prometheus import make_registry
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import RequestOutputKind

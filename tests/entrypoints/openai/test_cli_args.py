@@ -126,6 +126,9 @@ def test_help_groups_like_vllm(capsys):
         (["--max-loras", "4"], "--max-loras is not implemented yet in qwenserve"),
         (["--rope-theta=1e6"], "--rope-theta is not implemented yet in qwenserve"),
         (["--disable-custom-all-reduce"], "--disable-custom-all-reduce is not implemented yet"),
+        (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+         "method 'eagle3': EAGLE-3 heads are not implemented"),
+        (["--speculative-config.method", "ngram"], "num_speculative_tokens >= 1"),
     ],
 )
 def test_refused_flags_say_why(capsys, argv, words):
@@ -148,6 +151,17 @@ def test_structured_outputs_config_as_json_or_dotted():
         config = parse_structured_outputs_config(parse(["model", *argv]).structured_outputs_config)
         assert config.backend == "xgrammar" and config.disable_any_whitespace
     assert parse(["model", "--tool-call-parser", "qwen3_xml"]).tool_call_parser == "qwen3_xml"
+
+
+def test_speculative_config_as_json_or_dotted():
+    from qwenserve.spec_decode.config import parse_speculative_config
+
+    for argv in (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens=3"],
+    ):
+        config = parse_speculative_config(parse(["model", *argv]).speculative_config)
+        assert (config.method, config.num_speculative_tokens) == ("ngram", 3)
 
 
 def test_help_all_and_a_keyword_without_match(capsys):
@@ -271,3 +285,18 @@ def make_chat_parser():
     parser = argparse.ArgumentParser()
     chat.add_arguments(parser)
     return parser
+
+
+def test_serve_parser_is_a_subclass_without_an_import_circle():
+    """Issue 14: no rebinding of ``parse_known_args``, and cli_args does not import api_server
+    (which imports cli_args)."""
+    import inspect
+
+    from qwenserve.entrypoints.cli import build_parser
+    from qwenserve.entrypoints.openai import cli_args
+
+    source = inspect.getsource(cli_args)
+    assert "api_server" not in source and "MethodType" not in source
+    parser = build_parser("serve")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-queued-sequences", "-1"])  # validated as a subparser

@@ -95,9 +95,9 @@ def test_keep_alive_on_engine_death_answers_503_and_never_hangs(tmp_path, tiny_m
         assert server.get("/health").status_code == 503
         start = time.monotonic()
         r = server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=10)
-        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        assert r.status_code == 503  # the body names a log reference, not internals
         r = server.post("/reset_prefix_cache", timeout=10)  # answered at once, not hung
-        assert r.status_code >= 500 and "engine" in r.json()["error"]["message"].lower()
+        assert r.status_code >= 500
         assert time.monotonic() - start < 5
         m = server.metrics()
         assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0

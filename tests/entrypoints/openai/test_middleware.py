@@ -51,3 +51,27 @@ def test_keys_are_compared_as_sha256_digests(monkeypatch):
 
     assert asyncio.run(statuses()) == [200, 200, 401, 401]
     assert compared and set(compared) == {(32, 32)}
+
+
+def test_draining_refuses_v1_behind_the_root_path():
+    """uvicorn's scope for ``GET /v1/models`` with ``--root-path /api``: path ``/api/v1/models``."""
+    from types import SimpleNamespace
+
+    from qwenserve.entrypoints.openai.middleware import ServerStateMiddleware
+
+    app = ServerStateMiddleware(_ok, SimpleNamespace(draining=True), echo_request_id=False)
+    sent: list[dict] = []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "method": "GET", "path": "/api/v1/models", "root_path": "/api",
+             "headers": []}  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 503
+    sent.clear()
+    asyncio.run(app({**scope, "path": "/api/health"}, receive, send))
+    assert sent[0]["status"] == 200

@@ -22,6 +22,8 @@ import threading
 from typing import Any
 
 from qwenserve import envs
+from qwenserve.entrypoints.openai.cli_args import ServeArgumentParser, make_serve_parser
+from qwenserve.entrypoints.openai.cli_args import add_arguments as add_arguments
 from qwenserve.logger import init_logger
 
 logger = init_logger("qwenserve.entrypoints.openai.api_server")
@@ -58,7 +60,7 @@ def build_engine_args(args: argparse.Namespace) -> Any:
 
 def _options(args: argparse.Namespace, model_name: str) -> Any:
     from qwenserve.entrypoints.chat_utils import load_chat_template
-    from qwenserve.entrypoints.openai.serving_engine import ServingOptions
+    from qwenserve.entrypoints.openai.serving_common import ServingOptions
     from qwenserve.structured_output.config import parse_structured_outputs_config
 
     return ServingOptions(
@@ -98,7 +100,7 @@ def _log_notes(args: argparse.Namespace) -> None:
 def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Load the engine; returns (AsyncEngine, ServerState, registry)."""
     from qwenserve.engine.async_engine import AsyncEngine
-    from qwenserve.entrypoints.openai.serving_engine import ServerState
+    from qwenserve.entrypoints.openai.serving_common import ServerState
     from qwenserve.metrics.loggers import LoggingStatLogger
     from qwenserve.metrics.prometheus import PrometheusStatLogger, make_registry
 
@@ -115,6 +117,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         state.model_name,
         state.max_model_len,
         show_hidden=args.show_hidden_metrics_for_version is not None,
+        speculative=config.speculative is not None,
     )
     plan = engine.plan
     prom.log_cache_config(
@@ -290,9 +293,15 @@ def watch_engine(engine: Any, server: Any) -> threading.Event:
     return died
 
 
-def main(argv: list[str] | None = None) -> int:
-    from qwenserve.entrypoints.openai.cli_args import make_serve_parser
+# ``qwenserve serve`` (entrypoints/cli.py): this module's parser class, flags and runner.
+PARSER_CLASS = ServeArgumentParser
 
+
+def run(args: argparse.Namespace) -> int:
+    return run_server(args)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = make_serve_parser()
     parser.prog = "python -m qwenserve.entrypoints.openai.api_server"
     return run_server(parser.parse_args(argv))

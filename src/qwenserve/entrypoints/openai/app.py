@@ -37,7 +37,7 @@ from qwenserve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from qwenserve.entrypoints.openai.request_fields import unknown_fields
-from qwenserve.entrypoints.openai.serving_engine import ServerState, engine_error, logger
+from qwenserve.entrypoints.openai.serving_common import ServerState, engine_error, logger
 from qwenserve.entrypoints.openai.streaming import (
     DisconnectAwareStreamingResponse,
     cancel_on_disconnect,
@@ -122,7 +122,11 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 @dev_router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
     """Drop cached prefixes (benchmarks use it between runs); blocks in use stay."""
-    if not await _state(request).engine.reset_prefix_cache():
+    try:
+        complete = await _state(request).engine.reset_prefix_cache()
+    except Exception as e:  # e.g. the engine died: a 503 that says so
+        raise engine_error(e) from e
+    if not complete:
         logger.warning("The prefix cache was not fully reset: some blocks are still in use")
     return Response(status_code=200)
 

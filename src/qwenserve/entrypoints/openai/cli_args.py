@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 import textwrap
-import types
 from typing import Any
 
 from qwenserve.engine.arg_utils import EngineArgs, human_readable_int
@@ -23,6 +22,7 @@ from qwenserve.entrypoints.openai.cli_data_parallel import (
 from qwenserve.entrypoints.openai.cli_spellings import canonical_flag_spellings
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
+from qwenserve.spec_decode.config import parse_speculative_config
 from qwenserve.structured_output.config import (
     fold_dotted_flags,
     parse_structured_outputs_config,
@@ -41,7 +41,6 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
-    (("--speculative-config",), {}, (None,)),
     (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
@@ -237,15 +236,15 @@ def _add_frontend(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, **{"default": None, **kwargs})
 
 
-def _add_engine_extras(parser: argparse.ArgumentParser) -> None:
-    model = next(g for g in parser._action_groups if g.title == "ModelConfig")
+def _add_engine_extras(parser: ServeArgumentParser) -> None:
+    model = parser.group("ModelConfig")
     model.add_argument(
         "--override-generation-config",
         type=_json,
         default=None,
         help="Override default sampling values, e.g. '{\"temperature\": 0.5}'.",
     )
-    cache = next(g for g in parser._action_groups if g.title == "CacheConfig")
+    cache = parser.group("CacheConfig")
     cache.add_argument(
         "--swap-space",
         type=float,
@@ -307,8 +306,54 @@ def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
     add_data_parallel_flags(g)
 
 
+class ServeArgumentParser(argparse.ArgumentParser):
+    """The ``serve`` parser: reads ``--config FILE``, answers ``--help=<group|flag>``, folds
+    dotted flags, refuses vLLM-only flags by name and validates the result, on every parse
+    (also as the ``qwenserve serve`` subparser: ``cli.py`` creates it with this class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._groups: dict[str, argparse._ArgumentGroup] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument_group(self, *args: Any, **kwargs: Any) -> argparse._ArgumentGroup:
+        group = super().add_argument_group(*args, **kwargs)
+        if group.title:
+            self._groups[group.title] = group
+        return group
+
+    def group(self, title: str) -> argparse._ArgumentGroup:
+        """The argument group named ``title`` (added by ``EngineArgs.add_cli_args``)."""
+        return self._groups[title]
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = canonical_flag_spellings(list(sys.argv[1:] if args is None else args))
+        argv = fold_dotted_flags(argv, "--structured-outputs-config")
+        argv = fold_dotted_flags(argv, "--compilation-config")
+        argv = fold_dotted_flags(argv, "--speculative-config")
+        argv = fold_dotted_flags(argv, "--limit-mm-per-prompt")
+        _maybe_filtered_help(self, argv)
+        config_argv, config_model = read_config(self, argv)
+        if config_argv:  # parsed on their own first, so a list value cannot swallow argv's model
+            namespace, _ = super().parse_known_args(config_argv, namespace)
+        ns, extra = super().parse_known_args(argv, namespace)
+        if config_model is not None and ns.model_tag is None and ns.model is None:
+            ns.model = config_model  # the YAML's model, unless the command line names one
+        for arg in extra:
+            if arg.split("=", 1)[0] in VLLM_ONLY_FLAGS:
+                self.error(f"{arg.split('=', 1)[0]} is not implemented yet in qwenserve; remove it")
+        problem = validate_args(ns)
+        if problem:
+            self.error(problem)
+        return ns, extra
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """All ``serve`` flags on ``parser`` (the ``qwenserve serve`` subparser or a fresh one)."""
+    """All ``serve`` flags on ``parser``, a ``ServeArgumentParser`` (the ``qwenserve serve``
+    subparser or a fresh one)."""
+    if not isinstance(parser, ServeArgumentParser):
+        raise TypeError("serve flags need a ServeArgumentParser (it validates them on parse)")
     parser.add_argument(
         "model_tag",
         nargs="?",
@@ -321,12 +366,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_unimplemented(parser)
     parser.epilog = HELP_EPILOG.format(prog=parser.prog)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    # The instance attribute overrides the class method, also when the parser is a subparser.
-    parser.parse_known_args = types.MethodType(_parse_known_args, parser)  # type: ignore
 
 
-def make_serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def make_serve_parser() -> ServeArgumentParser:
+    parser = ServeArgumentParser(
         prog="qwenserve serve",
         allow_abbrev=False,
         description="Start the OpenAI-compatible API server.",
@@ -335,35 +378,7 @@ def make_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    from qwenserve.entrypoints.openai.api_server import run_server
-
-    return run_server(args)
-
-
 # ---- parsing: --config, --help=..., validation -------------------------------------------------
-def _parse_known_args(
-    self: argparse.ArgumentParser, args: Any = None, namespace: Any = None
-) -> tuple[argparse.Namespace, list[str]]:
-    argv = canonical_flag_spellings(list(sys.argv[1:] if args is None else args))
-    argv = fold_dotted_flags(argv, "--structured-outputs-config")
-    argv = fold_dotted_flags(argv, "--compilation-config")
-    _maybe_filtered_help(self, argv)
-    config_argv, config_model = read_config(self, argv)
-    if config_argv:  # parsed on their own first, so a list-valued one cannot swallow argv's model
-        namespace, _ = argparse.ArgumentParser.parse_known_args(self, config_argv, namespace)
-    ns, extra = argparse.ArgumentParser.parse_known_args(self, argv, namespace)
-    if config_model is not None and ns.model_tag is None and ns.model is None:
-        ns.model = config_model  # the YAML's model, unless the command line names one
-    for arg in extra:
-        if arg.split("=", 1)[0] in VLLM_ONLY_FLAGS:
-            self.error(f"{arg.split('=', 1)[0]} is not implemented yet in qwenserve; remove it")
-    problem = validate_args(ns)
-    if problem:
-        self.error(problem)
-    return ns, extra
-
-
 def read_config(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], str | None]:
     """``--config FILE`` -> (its flags as argv, its ``model``), both empty without ``--config``.
 
@@ -424,7 +439,7 @@ def _maybe_filtered_help(parser: argparse.ArgumentParser, argv: list[str]) -> No
     if query == "listgroup":
         print("\n".join(g.title for g in groups if g.title))
         parser.exit(0)
-    formatter = parser._get_formatter()
+    formatter = parser.formatter_class(prog=parser.prog)
     matched = [g for g in groups if (g.title or "").lower() == query.lower()]
     for group in matched:
         formatter.start_section(group.title)
@@ -478,6 +493,7 @@ def validate_args(ns: argparse.Namespace) -> str | None:
         return "--enable-auto-tool-choice requires --tool-call-parser"
     try:
         structured = parse_structured_outputs_config(ns.structured_outputs_config)
+        parse_speculative_config(ns.speculative_config)
     except ValueError as e:
         return str(e)
     if structured.reasoning_parser and not ns.reasoning_parser:

@@ -24,7 +24,7 @@ from qwenserve.entrypoints.media_parts import ImageSource
 from qwenserve.entrypoints.openai.errors import OpenAIError, bad_request
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
 from qwenserve.entrypoints.openai.reasoning import REASONING_PARSERS
-from qwenserve.entrypoints.openai.serving_engine import (
+from qwenserve.entrypoints.openai.serving_common import (
     ServerState,
     build_sampling_params,
     chat_logprobs,

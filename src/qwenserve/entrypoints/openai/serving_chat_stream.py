@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from qwenserve.entrypoints.openai.serving_chat import ChatJob, ChoiceParser, log_chat
-from qwenserve.entrypoints.openai.serving_engine import (
+from qwenserve.entrypoints.openai.serving_common import (
     ServerState,
     chat_logprobs,
     engine_error,

@@ -14,7 +14,7 @@ from typing import Any
 
 from qwenserve.entrypoints.openai.errors import bad_request
 from qwenserve.entrypoints.openai.protocol import CompletionRequest
-from qwenserve.entrypoints.openai.serving_engine import (
+from qwenserve.entrypoints.openai.serving_common import (
     ServerState,
     build_sampling_params,
     completion_logprobs,

@@ -11,7 +11,7 @@ from qwenserve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from qwenserve.entrypoints.openai.serving_chat import render_prompt
-from qwenserve.entrypoints.openai.serving_engine import ServerState
+from qwenserve.entrypoints.openai.serving_common import ServerState
 
 
 def model_card(state: ServerState, name: str) -> dict[str, Any]:

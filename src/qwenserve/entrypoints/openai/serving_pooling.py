@@ -23,7 +23,7 @@ from pydantic import Field
 
 from qwenserve.entrypoints.openai.errors import bad_request, from_value_error
 from qwenserve.entrypoints.openai.protocol import OpenAIBaseModel
-from qwenserve.entrypoints.openai.serving_engine import ServerState, engine_error
+from qwenserve.entrypoints.openai.serving_common import ServerState, engine_error
 from qwenserve.entrypoints.openai.streaming import merge_async_iterators
 from qwenserve.pooling import embedding, pooling_params, relevance
 

@@ -284,6 +284,11 @@ def engine_error(error: BaseException) -> OpenAIError:
         return error
     if isinstance(error, ValueError):
         return from_value_error(error)
+    from qwenserve.engine.async_engine import EngineDeadError
+
+    if isinstance(error, EngineDeadError):
+        logger.error("A request failed: the engine is not running (%s)", error)
+        return OpenAIError("The engine is not running; the server must be restarted", 503)
     return internal_error(logger, "A request failed in the engine", error, 503)
 
 

@@ -1,0 +1,103 @@
+"""``--speculative-config`` / ``LLM(speculative_config=...)``: vLLM's SpeculativeConfig keys.
+
+No torch: the engine and the CLI parse it before anything loads. Every key vLLM has is either
+honoured here or refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from qwenserve.config import SpeculativeConfig
+
+NGRAM = "ngram"
+DRAFT_MODEL = "draft_model"
+MTP_METHODS = ("mtp", "qwen3_5_mtp", "qwen3_next_mtp")
+REFUSED_METHODS = {
+    "eagle": "EAGLE heads are not implemented in qwenserve",
+    "eagle3": "EAGLE-3 heads are not implemented in qwenserve",
+    "medusa": "Medusa heads are not implemented in qwenserve",
+    "mlp_speculator": "MLP speculators are not implemented in qwenserve",
+    "suffix": "suffix decoding is not implemented in qwenserve",
+    **{m: "MTP heads are not implemented in qwenserve yet (no trained weights loaded)"
+       for m in MTP_METHODS},
+}
+# vLLM keys that are accepted only at their neutral value (anything else is refused by name).
+_NEUTRAL = {
+    "draft_tensor_parallel_size": (None, 1),
+    "quantization": (None,),
+    "max_model_len": (None,),
+    "revision": (None,),
+    "code_revision": (None,),
+    "disable_padded_drafter_batch": (None, False, True),
+    "enforce_eager": (None, False, True),
+    "disable_log_stats": (None, False),
+}
+_KNOWN = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
+          "prompt_lookup_max", "disable_by_batch_size", *_NEUTRAL}
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """JSON text or a dict -> config (None: no speculation); ``ValueError`` names the fix."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. "
+                         '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    unknown = sorted(set(value) - _KNOWN)
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown or unsupported key(s) {unknown}; "
+                         f"supported: {', '.join(sorted(_KNOWN))}")
+    for key, allowed in _NEUTRAL.items():
+        if value.get(key) not in allowed:
+            raise ValueError(f"--speculative-config {key}={value[key]!r} is not implemented "
+                             "in qwenserve; remove it")
+    method = value.get("method") or (DRAFT_MODEL if value.get("model") else None)
+    if method is None:
+        raise ValueError('--speculative-config needs "method": "ngram" or "draft_model" '
+                         '(with "model")')
+    if method in REFUSED_METHODS:
+        raise ValueError(f"--speculative-config method {method!r}: {REFUSED_METHODS[method]}; "
+                         "use ngram or draft_model")
+    if method not in (NGRAM, DRAFT_MODEL):
+        raise ValueError(f"--speculative-config method {method!r} is unknown; use ngram or "
+                         "draft_model")
+    k = _int(value, "num_speculative_tokens", None)
+    if k is None or k < 1:
+        raise ValueError("--speculative-config needs num_speculative_tokens >= 1")
+    config = SpeculativeConfig(method=method, num_speculative_tokens=k,
+                               model=value.get("model"),
+                               disable_by_batch_size=_int(value, "disable_by_batch_size", None))
+    if method == NGRAM:
+        lo = _int(value, "prompt_lookup_min", None)
+        hi = _int(value, "prompt_lookup_max", None)
+        lo, hi = (lo or hi or 1), (hi or lo or 1)  # vLLM: one of them gives the other
+        if not 1 <= lo <= hi:
+            raise ValueError("--speculative-config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {lo} and {hi}")
+        config = SpeculativeConfig(NGRAM, k, lo, hi, None, config.disable_by_batch_size)
+    elif not config.model:
+        raise ValueError('--speculative-config method draft_model needs "model": the '
+                         "drafter's folder (same vocabulary as the target)")
+    if config.disable_by_batch_size is not None and config.disable_by_batch_size < 2:
+        raise ValueError("--speculative-config disable_by_batch_size must be >= 2")
+    return config
+
+
+def _int(value: dict[str, Any], key: str, default: int | None) -> int | None:
+    got = value.get(key, default)
+    if got is None:
+        return None
+    if isinstance(got, str) and got.strip().isdigit():  # dotted flags give strings
+        return int(got)
+    if isinstance(got, bool) or not isinstance(got, int):
+        raise ValueError(f"--speculative-config {key} must be an integer, got {got!r}")
+    return got

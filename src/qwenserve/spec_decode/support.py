@@ -1,0 +1,36 @@
+"""Which models and settings speculative decoding runs with, checked before anything loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qwenserve.core.cache.spec import CacheSpec, RecurrentStateSpec
+
+
+def check_speculative(config: Any, specs: list[CacheSpec],
+                      draft_specs: list[CacheSpec]) -> None:
+    """``ValueError`` naming what is missing when ``config.speculative`` cannot run."""
+    spec = config.speculative
+    if spec is None:
+        return
+    if (any(isinstance(s, RecurrentStateSpec) for s in specs)
+            and config.parallel.tensor_parallel_size > 1):
+        raise ValueError(
+            f"--speculative-config on {config.model.architecture} (a hybrid model with Gated "
+            "DeltaNet layers) with --tensor-parallel-size > 1 is not implemented yet: every "
+            "rank would need the accepted counts to roll its recurrent state back. Use TP=1 "
+            "or remove --speculative-config.")
+    draft = config.draft_model
+    if draft is None:
+        return
+    if any(isinstance(s, RecurrentStateSpec) for s in draft_specs):
+        raise ValueError(f"--speculative-config model {spec.model}: a hybrid drafter "
+                         f"({draft.architecture}) is not supported; use a dense model such as "
+                         "Qwen3-0.6B")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--speculative-config method draft_model with "
+                         "--tensor-parallel-size > 1 is not implemented yet; use ngram or TP=1")
+    if draft.vocab_size != config.model.vocab_size:
+        raise ValueError(f"--speculative-config model {spec.model} has a vocabulary of "
+                         f"{draft.vocab_size} tokens, the target {config.model.vocab_size}: a "
+                         "drafter must share the target's tokenizer")

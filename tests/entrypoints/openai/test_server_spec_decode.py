@@ -1,0 +1,47 @@
+"""A real server with ``--speculative-config``: greedy output equals the offline engine's
+without speculation (streamed and not), and /metrics carries vLLM's spec_decode counters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from oai_server import RemoteServer
+
+from qwenserve import LLM, SamplingParams
+
+PROMPT = [7, 300, 12, 7, 300, 12, 7, 300, 12, 7]
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("spec_server") / "serve.log"
+    srv = RemoteServer([tiny_model_path, "--dtype", "float32", "--max-model-len", "256",
+                        "--kv-cache-memory-bytes", "16M", "--speculative-config",
+                        json.dumps(SPEC), "--disable-uvicorn-access-log"], log)
+    yield srv
+    srv.stop()
+
+
+def test_greedy_equal_streamed_and_metrics(spec_server, tiny_model_path):
+    llm = LLM(tiny_model_path, dtype="float32", max_model_len=256)
+    expected = llm.generate({"prompt_token_ids": PROMPT},
+                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    client = spec_server.client()
+    model = client.models.list().data[0].id
+    body = dict(model=model, prompt=PROMPT, max_tokens=32, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    assert whole.choices[0].text == expected[0].outputs[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True)
+                       if c.choices)
+    assert streamed == whole.choices[0].text
+    metrics = spec_server.get("/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode") and "position=\"0\"" not in line}
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
+    assert values["vllm:spec_decode_num_draft_tokens_total"] >= \
+        values["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in metrics
