@@ -33,6 +33,7 @@ def _device_uses(tree: ast.AST) -> list[str]:
 # A new package gets a line here, on the floor of what it may import.
 FLOORS = {
     "envs": 0,
+    "json_option": 0,  # one parser for JSON-object flags
     "logger": 1,
     "multimodal.config": 1,  # the image flags, resolved (plain data)
     "config": 2,  # plain frozen configs: every floor reads them

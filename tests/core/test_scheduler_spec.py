@@ -1,9 +1,9 @@
 """Scheduler side of speculative decoding on fake model outputs (pure Python)."""
 
 from helpers.factories import make_request
+from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.sched_output import ModelOutput, SampledToken
-from qwenserve.config import SchedulerConfig
 from qwenserve.core.scheduler import Scheduler
 
 

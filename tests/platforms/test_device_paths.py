@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from qwenserve.engine import mp_executor
 from qwenserve.distributed.init import Rendezvous
+from qwenserve.engine import mp_executor
 from qwenserve.platforms.cuda import CudaPlatform
 from qwenserve.platforms.npu import NpuPlatform
 from qwenserve.quantization.kernels import int8_mm_reference

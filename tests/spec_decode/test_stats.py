@@ -6,8 +6,7 @@ import logging
 
 from qwenserve.metrics.loggers import LoggingStatLogger
 from qwenserve.metrics.prometheus import EXPORTED_METRICS, PrometheusStatLogger, make_registry
-from qwenserve.metrics.stats import EngineStats, IterationStats
-from qwenserve.metrics.stats import SpecDecodingStats
+from qwenserve.metrics.stats import EngineStats, IterationStats, SpecDecodingStats
 
 
 def _stats(spec):

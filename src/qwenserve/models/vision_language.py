@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from qwenserve.layers.caches import ModelCaches
+from qwenserve.layers.forward_batch import ForwardBatch
+from qwenserve.layers.moe import SparseMoeBlock
 from qwenserve.layers.mrope import MRotaryEmbedding, mrope_layout
 from qwenserve.logger import init_logger
 from qwenserve.models.base import (
@@ -26,9 +29,6 @@ from qwenserve.models.base import (
     split_module_weights,
 )
 from qwenserve.models.vision.tower import VISION_PREFIX, Qwen3VisionTower, VisionOutput
-from qwenserve.layers.caches import ModelCaches
-from qwenserve.layers.forward_batch import ForwardBatch
-from qwenserve.layers.moe import SparseMoeBlock
 
 logger = init_logger(__name__)
 

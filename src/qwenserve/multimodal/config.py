@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwenserve.json_option import json_object_option
+
 DEFAULT_IMAGE_LIMIT = 999  # vLLM's default per modality
 
 
@@ -23,17 +25,7 @@ class MultiModalConfig:
 
 def parse_json_option(name: str, value: str | dict | None) -> dict:
     """A flag given as JSON text (command line) or a dict (``LLM(...)``)."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"--{name.replace('_', '-')} is not valid JSON: {value!r} "
-                             f"({e})") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"--{name.replace('_', '-')} must be a JSON object, got {value!r}")
-    return dict(value)
+    return {} if value is None else json_object_option(f"--{name.replace('_', '-')}", value)
 
 
 def parse_limit_mm_per_prompt(value: str | Mapping[str, Any] | None) -> int:

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwenserve.json_option import json_object_option
+
 # vLLM Ascend's documented keys (docs/source/user_guide/configuration/additional_config.md)
 KNOWN_KEYS: dict[str, str] = {
     "xlite_graph_config": "Xlite graph mode",
@@ -71,11 +73,4 @@ class AdditionalConfig:
 def parse_additional_config(value: Any) -> AdditionalConfig:
     if value is None:
         return AdditionalConfig()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"--additional-config: not valid JSON: {value!r} ({e})") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"--additional-config must be a JSON object, got {value!r}")
-    return AdditionalConfig(dict(value))
+    return AdditionalConfig(json_object_option("--additional-config", value))

@@ -6,10 +6,10 @@ honoured here or refused by name.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from qwenserve.config import SpeculativeConfig
+from qwenserve.json_option import json_object_option
 
 NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
@@ -44,14 +44,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
         return None
     if isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError("--speculative-config must be a JSON object, e.g. "
-                         '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    value = json_object_option("--speculative-config", value)
     unknown = sorted(set(value) - _KNOWN)
     if unknown:
         raise ValueError(f"--speculative-config: unknown or unsupported key(s) {unknown}; "

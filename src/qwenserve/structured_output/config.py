@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from qwenserve.json_option import json_object_option
+
 SUPPORTED_BACKENDS = ("auto", "xgrammar")
 VLLM_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
 
@@ -26,13 +28,7 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | None
     """The flag's value -> config; ``ValueError`` names the key or value to fix."""
     if value is None:
         return StructuredOutputsConfig()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError("--structured-outputs-config must be a JSON object")
+    value = json_object_option("--structured-outputs-config", value)
     names = {f.name: f for f in fields(StructuredOutputsConfig)}
     unknown = sorted(set(value) - set(names))
     if unknown:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from qwenserve.core.sched_output import ScheduledChunk
+from qwenserve.layers.forward_batch import MultiModalBatch
 from qwenserve.models.vision.tower import VisionOutput
 from qwenserve.multimodal.inputs import MultiModalInputs, image_slices
 from qwenserve.multimodal.mrope import positions_for_range, prompt_mrope
-from qwenserve.layers.forward_batch import MultiModalBatch
 
 # pixel values [N, patch_dim] of several images and their grids -> the tower's output
 Encoder = Callable[[torch.Tensor, list[tuple[int, int, int]]], VisionOutput]

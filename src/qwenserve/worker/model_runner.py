@@ -24,8 +24,8 @@ from qwenserve.spec_decode import state_rollback
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
-from qwenserve.worker.pooler import pool
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
+from qwenserve.worker.pooler import pool
 from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.

@@ -287,7 +287,6 @@ def test_failures_carry_a_reference_not_the_exception(stream, caplog):
 
 def test_a_500_names_a_reference_only(monkeypatch, caplog):
     from helpers.tiny_models import build_tokenizer
-
     from qwenserve.entrypoints.openai import serving_completion
 
     def broken(*_args, **_kwargs):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from helpers.tiny_vision import hf_vision_model, random_pixels, vision_config
 from helpers.ports import free_port
+from helpers.tiny_vision import hf_vision_model, random_pixels, vision_config
 from helpers.tp_vision import run_rank
 from qwenserve.models.vision.tower import Qwen3VisionTower
 
