@@ -50,8 +50,8 @@ CASES = [
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         400,
-        "messages.0.content",
-        ["not supported"],
+        "messages.0.content.0",  # the malformed part itself
+        ["image_url", "URL"],
     ),
     (
         CHAT,
