@@ -3,7 +3,6 @@ and the parsing of the ones given as JSON. Plain data: every floor may read it."
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,13 +32,7 @@ def parse_limit_mm_per_prompt(value: str | Mapping[str, Any] | None) -> int:
     or ``{"image": {"count": 4, "width": ..., "height": ...}}``)."""
     if value is None:
         return DEFAULT_IMAGE_LIMIT
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {value!r} ({e})") from e
-    if not isinstance(value, Mapping):
-        raise ValueError('--limit-mm-per-prompt must be a JSON object, e.g. {"image": 4}')
+    value = json_object_option("--limit-mm-per-prompt", value)
     counts = {k: v.get("count") if isinstance(v, Mapping) else v for k, v in value.items()}
     # vLLM's dotted form (--limit-mm-per-prompt.image 0) gives the count as text
     counts = {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in counts.items()}

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwenserve.json_option import json_object_option
+
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")
 
@@ -85,12 +87,8 @@ def parse_compilation_config(value: Any) -> CompilationConfig:
         text = value.strip()
         if text.isdigit():  # vLLM's ``-O3`` / ``--compilation-config 3``: the mode
             return parse_compilation_config({"mode": int(text)})
-        try:
-            value = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--compilation-config: not valid JSON: {text!r} ({e})") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"--compilation-config must be a JSON object, got {value!r}")
+        value = text
+    value = json_object_option("--compilation-config", value)
     given = {}
     for key, raw in value.items():
         if key not in FIELDS:
