@@ -153,3 +153,10 @@ def cpu_omp_threads_bind() -> str:
 def engine_ready_timeout_s() -> float:
     """How long the server waits for its engine process to load the model (default 1 hour)."""
     return _number("ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", 3600.0)
+
+
+def native_kernels_enabled() -> bool:
+    """Compiled C++ kernels (``qwenserve.native``) where a compiler is present; ``QWENSERVE_NATIVE=0``
+    runs the pure-PyTorch kernels instead (the fallback a machine without a compiler gets)."""
+    value = _get("NATIVE", None, "1") or "1"
+    return value.strip().lower() not in {"0", "false", "no", "off"}
