@@ -59,6 +59,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
 
     @classmethod
     def is_available(cls) -> bool:
