@@ -1,14 +1,13 @@
 """Where a hybrid (Qwen3.5, Gated DeltaNet) engine step's time goes, prefill-heavy and decode-heavy.
 
-Runs ``vs_vllm_cpu.py``'s workload (requests of 256 random prompt tokens, greedy, ignore EOS) on the
-random-weight ``qwen3.5-0.8b`` shape of ``common.py`` and profiles a few steps of each kind with
-``torch.profiler``. Every top-level op goes to one bucket: the GDN pieces (delta-rule core, conv1d,
+Runs ``vs_vllm_cpu.py``'s prompts (random tokens, greedy, ignore EOS) on the random-weight
+``qwen3.5-0.8b`` shape of ``common.py`` and profiles steps of each kind with ``torch.profiler``. Every top-level op goes to one bucket: the GDN pieces (delta-rule core, conv1d,
 gating, gated RMSNorm, metadata), the paged-attention core, the LM head and the sampler by the code
 region it runs in (``record_function`` labels added here), the rest by name (GEMM or other ops).
 What the ops do not cover is Python/scheduler overhead.
 
-    PYTHONPATH=src python benchmarks/profile_hybrid.py [--dtype float32] [--requests 16]
-        [--output-len 16] [--recurrent-backend NAME]
+    PYTHONPATH=src python benchmarks/profile_hybrid.py [--dtype float32] [--threads 1]
+        [--decode-batch 64] [--recurrent-backend NAME]
 """
 
 from __future__ import annotations
@@ -79,63 +78,87 @@ def breakdown(prof, wall_s: float) -> dict[str, float]:
     return dict(out)
 
 
+def run_phase(engine, prompts: list[list[int]], output_len: int, kind: str, warm: int,
+              profile_steps: int) -> tuple[list[float], list[tuple]]:
+    """Run the requests to the end; profile ``profile_steps`` steps of ``kind`` after ``warm``.
+
+    Returns (CPU seconds of every unprofiled step of that kind, [(profile, wall s, CPU s)])."""
+    import torch
+
+    from qwenserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{kind}-{i}", prompt, params)
+    cpu_times: list[float] = []
+    profiled: list[tuple] = []
+    step = 0
+    while engine.has_unfinished_requests():
+        is_kind = (step == 0) if kind == "prefill" else (step > 0)
+        want = is_kind and step >= warm and len(profiled) < profile_steps
+        start, start_cpu = time.perf_counter(), time.process_time()
+        if want:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                engine.step()
+            profiled.append((prof, time.perf_counter() - start, time.process_time() - start_cpu))
+        else:
+            engine.step()
+            if is_kind:
+                cpu_times.append(time.process_time() - start_cpu)
+        step += 1
+    return cpu_times, profiled
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--profile-steps", type=int, default=2, help="steps profiled of each kind")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: CPU time is then steady on a loaded machine)")
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=6)
     p.add_argument("--recurrent-backend", default="", help="force one (default: the platform's)")
     args = p.parse_args()
 
     import torch
-
     from common import shaped_model
     from vs_vllm_cpu import PROMPT_LEN, workload
 
     from qwenserve.layers import recurrent
     from qwenserve.platforms.cpu import CpuPlatform
 
+    torch.set_num_threads(args.threads)
     name = args.recurrent_backend or CpuPlatform.default_recurrent_backend
     if args.recurrent_backend:
         CpuPlatform.default_recurrent_backend = name
     instrument(type(recurrent.get_recurrent_backend(name)))
-    from qwenserve import LLM, SamplingParams
+    from qwenserve import LLM
 
-    llm = LLM(shaped_model("qwen3.5-0.8b"), dtype=args.dtype, max_model_len=1024)
+    llm = LLM(shaped_model("qwen3.5-0.8b"), dtype=args.dtype, max_model_len=1024,
+              enable_prefix_caching=False)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for i, prompt in enumerate(workload()[: args.requests]):
-        engine.add_request(str(i), prompt, params)
-    times: dict[str, list[float]] = {"prefill": [], "decode": []}
-    profiled: dict[str, list] = {"prefill": [], "decode": []}
-    prefill_steps, step = -(-args.requests * PROMPT_LEN // 2048), 0
-    while engine.has_unfinished_requests():
-        kind = "prefill" if step < prefill_steps else "decode"
-        want = len(profiled[kind]) < args.profile_steps and (
-            kind == "prefill" or len(times["decode"]) >= min(4, args.output_len // 2))
-        start = time.perf_counter()
-        if want:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                engine.step()
-            profiled[kind].append((prof, time.perf_counter() - start))
-        else:
-            engine.step()
-            times[kind].append(time.perf_counter() - start)
-        step += 1
+    prompts = workload()
+    # prefill-heavy: one step of 8 prompts x 256 tokens (2,048 tokens, the default step budget);
+    # decode-heavy: a batch of one-token decodes after 16-token prompts (the GDN state and GEMM
+    # costs of a decode step do not depend on the context length; attention's grows with it)
+    phases = {
+        "prefill": run_phase(engine, prompts[: 2048 // PROMPT_LEN], 1, "prefill", 0, 1),
+        "decode": run_phase(engine, [p[:16] for p in prompts[: args.decode_batch]],
+                            args.decode_steps, "decode", 2, 2),
+    }
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
-    print(f"qwen3.5-0.8b shape, {args.dtype}, {torch.get_num_threads()} threads, recurrent backend "
-          f"{name}, {args.requests} requests x {PROMPT_LEN} prompt tokens")
-    for kind in ("prefill", "decode"):
+    print(f"qwen3.5-0.8b shape, {args.dtype}, {torch.get_num_threads()} threads, recurrent "
+          f"backend {name}")
+    for kind, (cpu_times, profiled) in phases.items():
         total: dict[str, float] = defaultdict(float)
-        wall = sum(w for _, w in profiled[kind])
-        for prof, w in profiled[kind]:
+        wall = sum(w for _, w, _ in profiled)
+        for prof, w, _ in profiled:
             for k, v in breakdown(prof, w).items():
                 total[k] += v
-        n = max(1, len(profiled[kind]))
-        med = statistics.median(times[kind]) * 1e3 if times[kind] else float("nan")
-        print(f"\n{kind}: {len(times[kind])} unprofiled steps (median {med:.0f} ms); "
-              f"profiled {len(profiled[kind])} steps, {wall / n * 1e3:.0f} ms each")
+        n = max(1, len(profiled))
+        cpu = statistics.median(cpu_times or [c for _, _, c in profiled]) * 1e3
+        what = "2,048 prompt tokens" if kind == "prefill" else f"batch {args.decode_batch}"
+        print(f"\n{kind} step ({what}): CPU {cpu:.0f} ms (median, unprofiled); profiled "
+              f"{len(profiled)} step(s), {wall / n * 1e3:.0f} ms wall each")
         print("| bucket | ms / step | share |\n|---|---|---|")
         for k, v in sorted(total.items(), key=lambda kv: -kv[1]):
             print(f"| {k} | {v / n * 1e3:.1f} | {v / max(wall, 1e-9):.0%} |")
