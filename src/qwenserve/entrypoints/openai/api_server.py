@@ -137,18 +137,22 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> None:
     config, plan = engine.config, engine.plan
     mc = config.model
+    engines = engine.engine_indexes
     logger.info(
-        "Serving %s as %s: %s, dtype %s, on %s; max_model_len %d; KV cache %s tokens, maximum "
-        "concurrency %.2fx at %s tokens per request; listening on %s://%s:%d",
+        "Serving %s as %s: %s, dtype %s, on %s%s; max_model_len %d; KV cache %s tokens, maximum "
+        "concurrency %.2fx at %s tokens per request%s; listening on %s://%s:%d",
         mc.name,
         ", ".join(repr(n) for n in state.options.served_model_names),
         mc.architecture,
         mc.dtype,
         engine.device_description,
+        f" x {len(engines)} data-parallel engines (ranks {', '.join(map(str, engines))})"
+        if len(engines) > 1 or engines != (0,) else "",
         state.max_model_len,
         f"{plan.token_capacity:,}",
         plan.max_concurrency(state.max_model_len),
         f"{state.max_model_len:,}",
+        " per engine" if len(engines) > 1 else "",
         scheme,
         host,
         port,
