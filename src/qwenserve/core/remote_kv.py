@@ -1,0 +1,78 @@
+"""The scheduler's side of prefill/decode disaggregation: requests whose prompt KV is being
+pulled (consumer), and finished requests whose blocks wait for a consumer (producer). No torch.
+
+    consumer:  waiting --allocate prompt blocks--> pulling --KV arrived--> waiting (kv_loaded,
+               num_computed = prompt - 1) --admitted--> running: recomputes the last prompt
+               token for its logits, then decodes. A failed pull fails the request (or, with
+               kv_load_failure_policy "recompute", prefills it here).
+    producer:  finished with do_remote_decode --> held (blocks kept) --pulled or timed out-->
+               blocks freed.
+
+An aborted pull keeps its blocks until the workers report the pull ended: they may still be
+writing into them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from qwenserve.core.sched_output import KVHold, KVPull, SchedulerOutput
+from qwenserve.kv_transfer.config import KVTransferConfig
+from qwenserve.kv_transfer.params import producer_answer
+from qwenserve.request import Request
+
+
+@dataclass
+class RemoteKV:
+    config: KVTransferConfig | None
+    block_size: int
+    tp_size: int = 1
+    hold_timeout_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    pulling: dict[str, Request] = field(default_factory=dict)
+    aborted_pulls: set[str] = field(default_factory=set)
+    held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # -> deadline
+    _new_pulls: list[KVPull] = field(default_factory=list)
+    _new_holds: list[KVHold] = field(default_factory=list)
+    _releases: list[str] = field(default_factory=list)
+
+    @property
+    def busy(self) -> bool:
+        """Transfers in flight: the engine keeps stepping to see them end."""
+        return bool(self.pulling or self.held)
+
+    def start_pull(self, req: Request, block_ids: list[int]) -> None:
+        remote = req.sampling_params.kv_transfer_params.remote
+        req.kv_pull_done = True
+        self.pulling[req.request_id] = req
+        self._new_pulls.append(KVPull(req.request_id, list(block_ids), remote))
+
+    def wants_hold(self, req: Request) -> bool:
+        params = req.sampling_params.kv_transfer_params
+        return self.config is not None and params is not None and params.do_remote_decode
+
+    def hold(self, req: Request, block_ids: list[int]) -> None:
+        """Keep ``req``'s blocks for a consumer and note the answer the proxy passes on."""
+        cfg = self.config
+        self.held[req.request_id] = (req, time.monotonic() + self.hold_timeout_s)
+        self._new_holds.append(KVHold(req.request_id, list(block_ids)))
+        req.kv_transfer_out = producer_answer(
+            cfg.engine_id, cfg.kv_ip, cfg.kv_port, req.request_id, block_ids, self.tp_size,
+            self.block_size, req.num_computed_tokens)
+
+    def take_sent(self, request_ids: list[str]) -> list[Request]:
+        """Held requests a consumer has pulled: their blocks can go."""
+        return [self.held.pop(r)[0] for r in request_ids if r in self.held]
+
+    def take_expired(self) -> list[Request]:
+        """Held requests no consumer pulled in time: their blocks go, and are not served."""
+        now = time.monotonic()
+        gone = [r for r, (_, deadline) in self.held.items() if deadline < now]
+        self._releases += gone
+        return [self.held.pop(r)[0] for r in gone]
+
+    def fill(self, out: SchedulerOutput) -> None:
+        """This step's news for the workers."""
+        out.kv_pulls, self._new_pulls = self._new_pulls, []
+        out.kv_holds, self._new_holds = self._new_holds, []
+        out.kv_releases, self._releases = self._releases, []
