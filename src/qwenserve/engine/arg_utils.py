@@ -22,6 +22,7 @@ from qwenserve.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from qwenserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from qwenserve.multimodal.config import (
     MultiModalConfig,
     parse_json_option,
@@ -30,7 +31,6 @@ from qwenserve.multimodal.config import (
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
-from qwenserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from qwenserve.spec_decode.config import parse_speculative_config
 
 if TYPE_CHECKING:

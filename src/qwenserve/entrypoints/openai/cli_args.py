@@ -49,6 +49,8 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
     (("--headless",), {"action": BOOL}, (None, False)),
     (("--safetensors-load-strategy",), {}, (None, "lazy")),  # qwenserve maps shards lazily
+    # qwenserve always manages a hybrid model's KV blocks and state slots together
+    (("--disable-hybrid-kv-cache-manager",), {"action": BOOL}, (None, False)),
 )
 
 
@@ -60,7 +62,7 @@ VLLM_ONLY_FLAGS = frozenset(
     --code-revision --collect-detailed-traces --config-format --cpu-offload-params
     --cuda-graph-sizes --data-parallel-backend
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
-    --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
+    --disable-frontend-multiprocessing
     --disable-sliding-window --enable-dbo --enable-eplb
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh

@@ -1,0 +1,47 @@
+"""``--kv-transfer-config`` and ``kv_transfer_params`` parsing: the tutorials' spellings are
+accepted, everything else is refused naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwenserve.kv_transfer.config import parse_kv_transfer_config
+from qwenserve.kv_transfer.params import parse_kv_transfer_params
+
+TUTORIAL = ('{"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer", "kv_port": '
+            '"30000", "engine_id": "0", "kv_connector_extra_config": {"use_ascend_direct": '
+            'true, "prefill": {"dp_size": 2, "tp_size": 8}, "decode": {"dp_size": 8, '
+            '"tp_size": 4}}}')
+
+
+def test_tutorial_config():
+    cfg = parse_kv_transfer_config(TUTORIAL)
+    assert (cfg.connector, cfg.role, cfg.kv_port, cfg.engine_id) == (
+        "MooncakeConnectorV1", "kv_producer", 30000, "0")
+    assert cfg.prefill.tp_size == 8 and cfg.decode.dp_size == 8
+    assert cfg.is_producer and not cfg.is_consumer
+    notes = " ".join(cfg.startup_notes())
+    assert "use_ascend_direct: no effect" in notes and "not used" in notes
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, "kv_connector"),
+    ({"kv_connector": "NixlConnector", "kv_role": "producer"}, "kv_role"),
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": "x"}, "kv_port"),
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_bogus": 1}, "kv_bogus"),
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"prefill": {"tp_size": 0}}}, "prefill.tp_size"),
+])
+def test_bad_config_names_the_key(raw, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_kv_transfer_config(raw)
+
+
+def test_params():
+    assert parse_kv_transfer_params(None) is None
+    assert parse_kv_transfer_params({"do_remote_decode": False}) is None
+    assert parse_kv_transfer_params({"do_remote_decode": True}).do_remote_decode
+    with pytest.raises(ValueError, match="remote_block_ids"):
+        parse_kv_transfer_params({"do_remote_prefill": True, "remote_engine_id": "e",
+                                  "remote_host": "h", "remote_port": 1, "remote_request_id": "r",
+                                  "remote_block_ids": ["a"]})
