@@ -6,11 +6,10 @@ request keeps its blocks until pulled or timed out."""
 from __future__ import annotations
 
 from helpers.factories import make_request
-
 from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import CacheManager
-from qwenserve.core.scheduler import Scheduler
 from qwenserve.core.sched_output import ModelOutput, SampledToken
+from qwenserve.core.scheduler import Scheduler
 from qwenserve.kv_transfer.config import parse_kv_transfer_config
 from qwenserve.kv_transfer.params import parse_kv_transfer_params
 from qwenserve.request import RequestStatus
