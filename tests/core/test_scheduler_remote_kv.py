@@ -97,7 +97,8 @@ def test_producer_holds_blocks_until_pulled_or_timed_out():
             for _ in range(2)]
     for r in reqs:
         sched.add_request(r)
-    out = sched.schedule()
+    out = sched.schedule()  # the step that ends them: the workers learn of the holds now
+    assert [h.request_id for h in out.kv_holds] == [r.request_id for r in reqs]
     updates = sched.update(out, ModelOutput(sampled={r.request_id: SampledToken(1)
                                                      for r in reqs}))
     answer = updates[0].kv_transfer_params
@@ -105,9 +106,19 @@ def test_producer_holds_blocks_until_pulled_or_timed_out():
     assert answer["remote_num_tokens"] == 10 and len(answer["remote_block_ids"]) == 3
     assert sched.cache.usage() > 0 and not sched.has_unfinished_requests()
     out = sched.schedule()
-    assert [h.request_id for h in out.kv_holds] == [r.request_id for r in reqs]
+    assert not out.kv_holds
     sched.update(out, ModelOutput(kv_sent=[reqs[0].request_id]))
     assert sched.remote.held.keys() == {reqs[1].request_id}
     sched.remote.held[reqs[1].request_id] = (reqs[1], 0.0)  # its deadline has passed
     out = sched.schedule()
     assert out.kv_releases == [reqs[1].request_id] and sched.cache.usage() == 0
+
+
+def test_producer_request_aborted_after_its_hold_was_announced_is_released():
+    sched = _scheduler("kv_producer")
+    req = make_request(10, max_tokens=1, temperature=0.0,
+                       kv_transfer_params=parse_kv_transfer_params({"do_remote_decode": True}))
+    sched.add_request(req)
+    assert sched.schedule().kv_holds
+    sched.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    assert sched.schedule().kv_releases == [req.request_id] and sched.cache.usage() == 0

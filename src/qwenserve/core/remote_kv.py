@@ -6,7 +6,10 @@ pulled (consumer), and finished requests whose blocks wait for a consumer (produ
                token for its logits, then decodes. A failed pull fails the request (or, with
                kv_load_failure_policy "recompute", prefills it here).
     producer:  finished with do_remote_decode --> held (blocks kept) --pulled or timed out-->
-               blocks freed.
+               blocks freed. The workers learn of a hold in the very step whose sample ends
+               the request (its last allowed token: the proxy asks for one), so the blocks are
+               served as soon as the answer is out, even if the engine then goes idle; a
+               request registered so but finished otherwise (aborted) is released again.
 
 An aborted pull keeps its blocks until the workers report the pull ended: they may still be
 writing into them.
@@ -32,6 +35,7 @@ class RemoteKV:
     pulling: dict[str, Request] = field(default_factory=dict)
     aborted_pulls: set[str] = field(default_factory=set)
     held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # -> deadline
+    registered: set[str] = field(default_factory=set)  # holds the workers know of
     _new_pulls: list[KVPull] = field(default_factory=list)
     _new_holds: list[KVHold] = field(default_factory=list)
     _releases: list[str] = field(default_factory=list)
@@ -51,24 +55,38 @@ class RemoteKV:
         params = req.sampling_params.kv_transfer_params
         return self.config is not None and params is not None and params.do_remote_decode
 
+    def register(self, req: Request, block_ids: list[int]) -> None:
+        """Tell the workers to serve ``req``'s blocks (once)."""
+        if req.request_id not in self.registered:
+            self.registered.add(req.request_id)
+            self._new_holds.append(KVHold(req.request_id, list(block_ids)))
+
+    def unregister(self, request_id: str) -> None:
+        """A registered request finished without holding: the workers must not serve it."""
+        if request_id in self.registered:
+            self.registered.discard(request_id)
+            self._releases.append(request_id)
+
     def hold(self, req: Request, block_ids: list[int]) -> None:
         """Keep ``req``'s blocks for a consumer and note the answer the proxy passes on."""
         cfg = self.config
         self.held[req.request_id] = (req, time.monotonic() + self.hold_timeout_s)
-        self._new_holds.append(KVHold(req.request_id, list(block_ids)))
+        self.register(req, block_ids)
         req.kv_transfer_out = producer_answer(
             cfg.engine_id, cfg.kv_ip, cfg.kv_port, req.request_id, block_ids, self.tp_size,
             self.block_size, req.num_computed_tokens)
 
     def take_sent(self, request_ids: list[str]) -> list[Request]:
         """Held requests a consumer has pulled: their blocks can go."""
+        self.registered.difference_update(request_ids)
         return [self.held.pop(r)[0] for r in request_ids if r in self.held]
 
     def take_expired(self) -> list[Request]:
         """Held requests no consumer pulled in time: their blocks go, and are not served."""
         now = time.monotonic()
         gone = [r for r, (_, deadline) in self.held.items() if deadline < now]
-        self._releases += gone
+        for request_id in gone:
+            self.unregister(request_id)
         return [self.held.pop(r)[0] for r in gone]
 
     def fill(self, out: SchedulerOutput) -> None:

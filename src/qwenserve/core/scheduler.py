@@ -261,8 +261,12 @@ class Scheduler:
         out.state_restores += alloc.state_restores
         drafts = (drafts or [])[: alloc.num_tokens - 1]
         # A new request's blocks travel in its NewRequestData; a running one's as an increment.
-        out.chunks.append(self._chunk(req, alloc.num_tokens,
-                                      [] if new_request else alloc.new_block_ids, drafts))
+        chunk = self._chunk(req, alloc.num_tokens, [] if new_request else alloc.new_block_ids,
+                            drafts)
+        out.chunks.append(chunk)
+        if (chunk.sample and req.max_tokens - req.num_output_tokens <= 1
+                and self.remote.wants_hold(req)):  # this step ends it: its blocks are held
+            self.remote.register(req, self.cache.block_ids(req.request_id))
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens to verify in this step's decode: at most what the budget,
@@ -371,6 +375,7 @@ class Scheduler:
         if hold and self.remote.wants_hold(req):
             self.remote.hold(req, self.cache.block_ids(req.request_id))
         elif free:
+            self.remote.unregister(req.request_id)
             self.cache.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)

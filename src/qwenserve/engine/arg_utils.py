@@ -317,20 +317,17 @@ class EngineArgs:
         config = parse_kv_transfer_config(self.kv_transfer_config)
         if config is None:
             return None
-        if self.tensor_parallel_size > 1:
-            raise ValueError("--kv-transfer-config with --tensor-parallel-size "
-                             f"{self.tensor_parallel_size} is not implemented yet: prefill/"
-                             "decode disaggregation runs with one rank per instance")
         if wants_pooling(self.runner, self.task, self.convert):
             raise ValueError("--kv-transfer-config serves text generation; a pooling model "
                              "(--runner pooling) has no decode phase to disaggregate")
-        for side in (config.prefill, config.decode):
+        own = [("prefill", config.prefill)] if config.is_producer else []
+        own += [("decode", config.decode)] if config.is_consumer else []
+        for name, side in own:  # the other side's size is checked per request
             if side is not None and side.tp_size != self.tensor_parallel_size:
                 raise ValueError(
-                    f"--kv-transfer-config: kv_connector_extra_config gives tp_size "
-                    f"{side.tp_size}, this instance runs --tensor-parallel-size "
-                    f"{self.tensor_parallel_size}; different tensor-parallel sizes between "
-                    "prefill and decode are not implemented yet")
+                    f"--kv-transfer-config: kv_connector_extra_config.{name}.tp_size is "
+                    f"{side.tp_size}, but this {config.role} runs --tensor-parallel-size "
+                    f"{self.tensor_parallel_size}; make them agree")
         return config
 
     def _multimodal_config(self) -> MultiModalConfig:

@@ -3,6 +3,10 @@
     apply(sched)      holds to serve (producer), holds taken back, pulls to start (consumer)
     collect(out)      pulls that ended and holds pulled since the last step -> ModelOutput
 
+Under tensor parallelism every rank pulls and serves its own shard (port ``kv_port + rank``);
+a pull or a send is reported only once every rank has done it (the ranks gather their events
+each step over the CPU group), so neither side frees or uses blocks another rank still needs.
+
 Pulls run on a small thread pool so the engine keeps stepping other requests meanwhile; they
 write only into blocks the scheduler gave the pulling request, which nothing else reads until
 the pull is reported done.
@@ -18,6 +22,7 @@ import zmq
 
 from qwenserve import envs
 from qwenserve.core.sched_output import KVPull, ModelOutput, SchedulerOutput
+from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.config import KVTransferConfig
 from qwenserve.kv_transfer.transport import KVBlockServer, pull_blocks
 from qwenserve.logger import init_logger
@@ -35,6 +40,7 @@ class KVTransferAgent:
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qwenserve-kv-pull")
         self._in_flight = 0
+        self._reports: dict[tuple[str, str], tuple[int, str | None]] = {}  # ranks so far
         self.server = None
         if config.is_producer:
             address = f"tcp://{config.kv_ip}:{config.kv_port + rank}"
@@ -66,21 +72,35 @@ class KVTransferAgent:
                            address, error)
         self._events.put(("pulled", pull.request_id, error))
 
-    def collect(self, out: ModelOutput, idle: bool) -> None:
-        """Report what ended; a step with nothing to compute waits a little for it."""
+    def collect(self, out: ModelOutput, idle: bool, tp: ParallelGroup = SINGLE) -> None:
+        """Report what every rank has finished (a collective under TP: every rank calls it
+        each step); a step with nothing to compute waits a little for its own events."""
+        events = self._drain(idle)
+        if tp.world_size > 1:
+            events = [e for rank_events in tp.all_gather_object(events) for e in rank_events]
+        for kind, request_id, error in events:
+            count, first_error = self._reports.pop((kind, request_id), (0, None))
+            count, first_error = count + 1, first_error or error
+            if count < tp.world_size:
+                self._reports[(kind, request_id)] = (count, first_error)
+            elif kind == "sent":
+                out.kv_sent.append(request_id)
+            else:
+                out.kv_pulls_done[request_id] = first_error
+
+    def _drain(self, idle: bool) -> list[tuple[str, str, str | None]]:
+        events = []
         waiting = idle and self._in_flight > 0
         while True:
             try:
-                kind, request_id, error = (self._events.get(timeout=IDLE_WAIT_S) if waiting
-                                           else self._events.get_nowait())
+                event = (self._events.get(timeout=IDLE_WAIT_S) if waiting
+                         else self._events.get_nowait())
             except queue.Empty:
-                return
+                return events
             waiting = False
-            if kind == "sent":
-                out.kv_sent.append(request_id)
-            else:
+            if event[0] == "pulled":
                 self._in_flight -= 1
-                out.kv_pulls_done[request_id] = error
+            events.append(event)
 
     def close(self) -> None:
         if self.server is not None:

@@ -246,7 +246,7 @@ class Worker:
             return self.runner.execute(sched)
         self.kv_agent.apply(sched)
         out = self.runner.execute(sched)
-        self.kv_agent.collect(out, idle=sched.is_empty)
+        self.kv_agent.collect(out, idle=sched.is_empty, tp=self.tp)
         return out
 
     def close(self) -> None:
