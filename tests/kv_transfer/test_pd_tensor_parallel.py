@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import kv_config, serve_args
 from oai_server import RemoteServer, free_port
 
+from conftest import kv_config, serve_args
 from qwenserve import LLM, SamplingParams
 from qwenserve.kv_transfer.params import parse_kv_transfer_params
 
