@@ -56,7 +56,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None
 async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
               ) -> tuple[float, float, int]:
     """(ttft_s, e2e_s, output tokens) of one streamed completion."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start_t = time.perf_counter()
     ttft, tokens = None, 0

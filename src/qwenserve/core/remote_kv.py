@@ -11,6 +11,11 @@ pulled (consumer), and finished requests whose blocks wait for a consumer (produ
                served as soon as the answer is out, even if the engine then goes idle; a
                request registered so but finished otherwise (aborted) is released again.
 
+Hybrid models (Gated DeltaNet layers): the consumer resumes before the last prompt token, so
+it needs the recurrent state there. The producer's prefill stops once before its last token;
+the step that computes it first copies the live state into a slot of its own, held (and pulled)
+with the blocks, and the consumer's pull writes it into the request's slot.
+
 An aborted pull keeps its blocks until the workers report the pull ended: they may still be
 writing into them.
 """
@@ -36,6 +41,7 @@ class RemoteKV:
     aborted_pulls: set[str] = field(default_factory=set)
     held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # -> deadline
     registered: set[str] = field(default_factory=set)  # holds the workers know of
+    state_slots: dict[str, int] = field(default_factory=dict)  # hybrid: held state copies
     _new_pulls: list[KVPull] = field(default_factory=list)
     _new_holds: list[KVHold] = field(default_factory=list)
     _releases: list[str] = field(default_factory=list)
@@ -45,21 +51,32 @@ class RemoteKV:
         """Transfers in flight: the engine keeps stepping to see them end."""
         return bool(self.pulling or self.held)
 
-    def start_pull(self, req: Request, block_ids: list[int]) -> None:
+    def start_pull(self, req: Request, block_ids: list[int], state_slot: int | None) -> None:
         remote = req.sampling_params.kv_transfer_params.remote
         req.kv_pull_done = True
         self.pulling[req.request_id] = req
-        self._new_pulls.append(KVPull(req.request_id, list(block_ids), remote))
+        self._new_pulls.append(KVPull(req.request_id, list(block_ids), remote, state_slot))
 
     def wants_hold(self, req: Request) -> bool:
         params = req.sampling_params.kv_transfer_params
         return self.config is not None and params is not None and params.do_remote_decode
 
-    def register(self, req: Request, block_ids: list[int]) -> None:
-        """Tell the workers to serve ``req``'s blocks (once)."""
+    def prefill_limit(self, req: Request, start: int, num_new: int, has_states: bool) -> int:
+        """Hybrid producer: the prefill stops once before the last prompt token, whose step
+        saves the state the consumer resumes from."""
+        last = req.num_prompt_tokens - 1
+        if has_states and self.wants_hold(req) and start < last < start + num_new:
+            return last - start
+        return num_new
+
+    def register(self, req: Request, block_ids: list[int], state_slot: int | None = None
+                 ) -> None:
+        """Tell the workers to serve ``req``'s blocks (and held state slot), once."""
         if req.request_id not in self.registered:
             self.registered.add(req.request_id)
-            self._new_holds.append(KVHold(req.request_id, list(block_ids)))
+            if state_slot is not None:
+                self.state_slots[req.request_id] = state_slot
+            self._new_holds.append(KVHold(req.request_id, list(block_ids), state_slot))
 
     def unregister(self, request_id: str) -> None:
         """A registered request finished without holding: the workers must not serve it."""
@@ -74,7 +91,7 @@ class RemoteKV:
         self.register(req, block_ids)
         req.kv_transfer_out = producer_answer(
             cfg.engine_id, cfg.kv_ip, cfg.kv_port, req.request_id, block_ids, self.tp_size,
-            self.block_size, req.num_computed_tokens)
+            self.block_size, req.num_computed_tokens, req.request_id in self.state_slots)
 
     def take_sent(self, request_ids: list[str]) -> list[Request]:
         """Held requests a consumer has pulled: their blocks can go."""

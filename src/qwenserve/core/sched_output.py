@@ -54,6 +54,7 @@ class KVPull:
     request_id: str
     block_ids: list[int]
     remote: RemotePrefill
+    state_slot: int | None = None  # hybrid models: the request's slot, for the pulled state
 
 
 @dataclass
@@ -63,6 +64,7 @@ class KVHold:
 
     request_id: str
     block_ids: list[int]
+    state_slot: int | None = None  # hybrid models: the recurrent state before the last token
 
 
 @dataclass

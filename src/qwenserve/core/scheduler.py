@@ -97,7 +97,7 @@ class Scheduler:
         self._finished_ids = []
         self._encoder_budget = EncoderBudget(self.limits.max_num_batched_tokens)
         for req in self.remote.take_expired():
-            self.cache.free(req)
+            self._release_hold(req)
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
@@ -119,6 +119,8 @@ class Scheduler:
             if num_new == 0:  # its next image waits for a step with encoder budget left
                 i += 1
                 continue
+            num_new = self.remote.prefill_limit(req, req.num_computed_tokens, num_new,
+                                                self.cache.has_states)
             drafts = self._drafts(req, num_new, budget)
             num_new += len(drafts)
             alloc = self.cache.allocate(req, num_new)
@@ -158,6 +160,8 @@ class Scheduler:
             num_new = self._fit_encoder(req, hit.num_tokens,
                                         min(req.num_tokens - hit.num_tokens, budget),
                                         first_chunk=True)
+            num_new = self.remote.prefill_limit(req, hit.num_tokens, num_new,
+                                                self.cache.has_states)
             alloc = self.cache.allocate(req, num_new, hit) if num_new else None
             if alloc is None:
                 break  # FCFS: later requests wait behind this one
@@ -191,7 +195,7 @@ class Scheduler:
             self.waiting.popleft()
             self._fail(req, problem)
             return True
-        alloc = self.cache.allocate(req, req.num_prompt_tokens)
+        alloc = self.cache.allocate(req, req.num_prompt_tokens, exact=True)
         if alloc is None:
             return False
         self.waiting.popleft()
@@ -199,7 +203,7 @@ class Scheduler:
         req.first_scheduled_time = req.first_scheduled_time or time.time()
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = 0
-        self.remote.start_pull(req, alloc.new_block_ids)
+        self.remote.start_pull(req, alloc.new_block_ids, alloc.state_slot)
         return True
 
     def _pull_problem(self, req: Request) -> str | None:
@@ -218,6 +222,12 @@ class Scheduler:
             return (f"the producer holds KV for {remote.num_tokens} tokens in "
                     f"{len(remote.block_ids)} blocks, this prompt has {n} tokens: send the "
                     "same prompt to both instances")
+        if self.cache.has_states and not (remote.has_state and remote.num_tokens == n):
+            return ("this hybrid model resumes from the producer's recurrent state before the "
+                    f"prompt's last token, which the producer did not hold (it computed "
+                    f"{remote.num_tokens} tokens of this {n}-token prompt"
+                    + ("" if remote.has_state else ", and sent no state")
+                    + "): send the prefill request with max_tokens 1 to a qwenserve producer")
         return None
 
     def _pull_ended(self, request_id: str, error: str | None) -> None:
@@ -266,7 +276,13 @@ class Scheduler:
         out.chunks.append(chunk)
         if (chunk.sample and req.max_tokens - req.num_output_tokens <= 1
                 and self.remote.wants_hold(req)):  # this step ends it: its blocks are held
-            self.remote.register(req, self.cache.block_ids(req.request_id))
+            state_slot = None
+            if self.cache.has_states and req.num_output_tokens == 0:
+                # The state before the last prompt token, copied before this step runs.
+                state_slot = self.cache.hold_state(req.request_id)
+                if state_slot is not None:
+                    out.state_saves.append((alloc.state_slot, state_slot))
+            self.remote.register(req, self.cache.block_ids(req.request_id), state_slot)
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens to verify in this step's decode: at most what the budget,
@@ -306,7 +322,7 @@ class Scheduler:
     # ---- after the forward pass ---------------------------------------------------------------
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[RequestUpdate]:
         for req in self.remote.take_sent(model_out.kv_sent):
-            self.cache.free(req)
+            self._release_hold(req)
         for request_id, error in model_out.kv_pulls_done.items():
             self._pull_ended(request_id, error)
         updates = []
@@ -376,8 +392,14 @@ class Scheduler:
             self.remote.hold(req, self.cache.block_ids(req.request_id))
         elif free:
             self.remote.unregister(req.request_id)
-            self.cache.free(req)
+            self._release_hold(req)
         del self.requests[req.request_id]
+
+    def _release_hold(self, req: Request) -> None:
+        """Free a request's blocks and slot (and a P/D producer's held state copy)."""
+        self.cache.free(req)
+        if self.remote.state_slots.pop(req.request_id, None) is not None:
+            self.cache.release_held_state(req.request_id)
         self._finished_ids.append(req.request_id)
 
     # ---- observation --------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 import zmq
 
 from qwenserve import envs
@@ -25,6 +24,7 @@ from qwenserve.core.sched_output import KVPull, ModelOutput, SchedulerOutput
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.config import KVTransferConfig
 from qwenserve.kv_transfer.transport import KVBlockServer, pull_blocks
+from qwenserve.layers.caches import ModelCaches
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,9 +33,9 @@ IDLE_WAIT_S = 0.005  # a step with nothing to run waits this long for a transfer
 
 
 class KVTransferAgent:
-    def __init__(self, config: KVTransferConfig, kv: dict[int, torch.Tensor], block_size: int,
+    def __init__(self, config: KVTransferConfig, caches: ModelCaches, block_size: int,
                  rank: int) -> None:
-        self.config, self.kv, self.block_size, self.rank = config, kv, block_size, rank
+        self.config, self.caches, self.block_size, self.rank = config, caches, block_size, rank
         self._events: queue.SimpleQueue[tuple[str, str, str | None]] = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qwenserve-kv-pull")
@@ -44,13 +44,13 @@ class KVTransferAgent:
         self.server = None
         if config.is_producer:
             address = f"tcp://{config.kv_ip}:{config.kv_port + rank}"
-            self.server = KVBlockServer(kv, block_size, config.engine_id, address,
+            self.server = KVBlockServer(caches, block_size, config.engine_id, address,
                                         lambda rid: self._events.put(("sent", rid, None)))
 
     def apply(self, sched: SchedulerOutput) -> None:
         if self.server is not None:
             for hold in sched.kv_holds:
-                self.server.hold(hold.request_id, hold.block_ids)
+                self.server.hold(hold.request_id, hold.block_ids, hold.state_slot)
             for request_id in sched.kv_releases:
                 self.server.release(request_id)
         for pull in sched.kv_pulls:
@@ -64,8 +64,8 @@ class KVTransferAgent:
                    "block_ids": remote.block_ids[: len(pull.block_ids)]}
         error = None
         try:
-            pull_blocks(self._ctx, address, request, self.kv, pull.block_ids, self.block_size,
-                        envs.kv_pull_timeout_s())
+            pull_blocks(self._ctx, address, request, self.caches, pull.block_ids,
+                        self.block_size, envs.kv_pull_timeout_s(), pull.state_slot)
         except Exception as e:  # noqa: BLE001 - the request fails, the engine lives on
             error = str(e)
             logger.warning("KV pull of request %s from %s failed: %s", pull.request_id,

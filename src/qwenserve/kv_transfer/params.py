@@ -27,6 +27,7 @@ class RemotePrefill:
     tp_size: int = 1
     block_size: int | None = None  # qwenserve producers say it; others may not
     num_tokens: int | None = None  # prompt tokens whose KV the blocks hold
+    has_state: bool = False  # hybrid models: the recurrent state travels too
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def parse_kv_transfer_params(value: object) -> KVTransferParams | None:
         port=_int(value, "remote_port"), block_ids=list(block_ids),
         request_id=str(value["remote_request_id"]), tp_size=_int(value, "tp_size", 1),
         block_size=_int(value, "remote_block_size", None),
-        num_tokens=_int(value, "remote_num_tokens", None)))
+        num_tokens=_int(value, "remote_num_tokens", None),
+        has_state=bool(value.get("remote_has_state", False))))
 
 
 def _int(value: Mapping[str, Any], key: str, default: int | None = 0) -> int | None:
@@ -82,7 +84,7 @@ def _int(value: Mapping[str, Any], key: str, default: int | None = 0) -> int | N
 
 def producer_answer(engine_id: str, host: str, port: int, request_id: str,
                     block_ids: list[int], tp_size: int, block_size: int,
-                    num_tokens: int) -> dict[str, Any]:
+                    num_tokens: int, has_state: bool = False) -> dict[str, Any]:
     """What the producer returns with its one-token response, for the proxy to pass on."""
     return {
         "do_remote_prefill": True,
@@ -95,4 +97,5 @@ def producer_answer(engine_id: str, host: str, port: int, request_id: str,
         "tp_size": tp_size,
         "remote_block_size": block_size,
         "remote_num_tokens": num_tokens,
+        "remote_has_state": has_state,
     }

@@ -6,6 +6,8 @@ consumer's pull. Works wherever torch and TCP do (CPU, CUDA, Ascend NPU).
                                               <---   {"ok", "block_size", "layers": [...]},
                                                      then one frame per attention layer:
                                                      K|V of those blocks, [2, n * bs, Hkv, D]
+                                                     (hybrid models: then the held state
+                                                     slot's conv and SSM state per layer)
 
 A pull for a request the producer has not registered yet (its hold reaches the workers one
 step after the answer left) waits there up to ``PENDING_S`` before it is refused.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from qwenserve.layers.caches import ModelCaches
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -47,11 +50,11 @@ class _Pending:
 class KVBlockServer:
     """Serves held requests' blocks of this rank's KV cache, on a thread of its own."""
 
-    def __init__(self, kv: dict[int, torch.Tensor], block_size: int, engine_id: str,
+    def __init__(self, caches: ModelCaches, block_size: int, engine_id: str,
                  address: str, on_sent: Callable[[str], None]) -> None:
-        self.kv, self.block_size, self.engine_id = kv, block_size, engine_id
+        self.caches, self.block_size, self.engine_id = caches, block_size, engine_id
         self.on_sent = on_sent
-        self.holds: dict[str, list[int]] = {}
+        self.holds: dict[str, tuple[list[int], int | None]] = {}  # -> blocks, state slot
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -68,9 +71,9 @@ class KVBlockServer:
                                         daemon=True)
         self._thread.start()
 
-    def hold(self, request_id: str, block_ids: list[int]) -> None:
+    def hold(self, request_id: str, block_ids: list[int], state_slot: int | None) -> None:
         with self._lock:
-            self.holds[request_id] = list(block_ids)
+            self.holds[request_id] = (list(block_ids), state_slot)
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -113,7 +116,9 @@ class KVBlockServer:
                 still.append(p)
         self._pending = still
 
-    def _serve(self, identity: bytes, header: dict, request_id: str, held: list[int]) -> None:
+    def _serve(self, identity: bytes, header: dict, request_id: str,
+               hold: tuple[list[int], int | None]) -> None:
+        held, state_slot = hold
         wanted = header.get("block_ids")
         engine_id = header.get("engine_id")
         if engine_id is not None and str(engine_id) != self.engine_id:
@@ -124,10 +129,11 @@ class KVBlockServer:
                                     f"{request_id}'s blocks {held}")
         try:
             frames, layers = self._gather(wanted)
+            states = _gather_state(self.caches, state_slot, frames)
         except Exception as e:  # noqa: BLE001 - told to the consumer, the server lives on
             logger.exception("Serving KV of request %s failed", request_id)
             return self._send_error(identity, f"the producer failed to read the blocks: {e}")
-        meta = {"ok": True, "block_size": self.block_size, "layers": layers}
+        meta = {"ok": True, "block_size": self.block_size, "layers": layers, "states": states}
         self._sock.send_multipart([identity, b"", json.dumps(meta).encode(), *frames])
         self.release(request_id)
         self.on_sent(request_id)
@@ -136,7 +142,7 @@ class KVBlockServer:
     def _gather(self, block_ids: list[int]) -> tuple[list[bytes], list[dict]]:
         frames, layers = [], []
         slots = None
-        for layer_id, kv in sorted(self.kv.items()):
+        for layer_id, kv in sorted(self.caches.kv.items()):
             if slots is None:
                 slots = block_slots(block_ids, self.block_size, kv.device)
             data = kv.index_select(1, slots).cpu().contiguous()  # [2, n * bs, Hkv, D]
@@ -150,10 +156,24 @@ class KVBlockServer:
                                                                "error": message}).encode()])
 
 
-def pull_blocks(ctx: zmq.Context, address: str, request: dict, kv: dict[int, torch.Tensor],
-                block_ids: list[int], block_size: int, timeout_s: float) -> None:
-    """Fetch a request's blocks from the producer at ``address`` into ``block_ids`` of ``kv``;
-    ``RuntimeError`` saying what went wrong."""
+def _gather_state(caches: ModelCaches, slot: int | None, frames: list[bytes]) -> list[dict]:
+    """Append the held state slot's conv and SSM state of every Gated DeltaNet layer."""
+    out = []
+    for layer_id, state in (sorted(caches.state.items()) if slot is not None else []):
+        entry = {"layer_id": layer_id}
+        for name, pool in (("conv", state.conv), ("ssm", state.ssm)):
+            data = pool[slot].cpu().contiguous()
+            frames.append(data.view(torch.uint8).numpy().tobytes())
+            entry[name] = {"dtype": str(data.dtype), "shape": list(data.shape)}
+        out.append(entry)
+    return out
+
+
+def pull_blocks(ctx: zmq.Context, address: str, request: dict, caches: ModelCaches,
+                block_ids: list[int], block_size: int, timeout_s: float,
+                state_slot: int | None = None) -> None:
+    """Fetch a request's blocks (and, hybrid models, its state into ``state_slot``) from the
+    producer at ``address``; ``RuntimeError`` saying what went wrong."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -169,7 +189,30 @@ def pull_blocks(ctx: zmq.Context, address: str, request: dict, kv: dict[int, tor
     meta = json.loads(raw)
     if not meta.get("ok"):
         raise RuntimeError(f"the producer at {address} refused: {meta.get('error')}")
-    _write(meta, frames, kv, block_ids, block_size)
+    kv_frames = frames[: len(meta["layers"])]
+    _write(meta, kv_frames, caches.kv, block_ids, block_size)
+    _write_state(meta.get("states") or [], frames[len(kv_frames):], caches, state_slot)
+
+
+def _write_state(states: list[dict], frames: list[bytes], caches: ModelCaches,
+                 slot: int | None) -> None:
+    if slot is None:
+        return
+    if sorted(s["layer_id"] for s in states) != sorted(caches.state):
+        raise RuntimeError("the producer sent no recurrent state for this hybrid model's "
+                           "Gated DeltaNet layers (same model on both sides?)")
+    it = iter(frames)
+    for entry in states:
+        state = caches.state[entry["layer_id"]]
+        for name, pool in (("conv", state.conv), ("ssm", state.ssm)):
+            meta, shape = entry[name], list(pool.shape[1:])
+            if meta["shape"] != shape or meta["dtype"] != str(pool.dtype):
+                raise RuntimeError(f"the producer's {name} state of layer {entry['layer_id']} "
+                                   f"is {meta['dtype']} {meta['shape']}, this server needs "
+                                   f"{pool.dtype} {shape}: same model, --dtype, "
+                                   "--mamba-ssm-cache-dtype and -tp on both sides")
+            data = torch.frombuffer(bytearray(next(it)), dtype=_DTYPES[meta["dtype"]])
+            pool[slot].copy_(data.view(shape).to(pool.device))
 
 
 def _write(meta: dict, frames: list[bytes], kv: dict[int, torch.Tensor], block_ids: list[int],

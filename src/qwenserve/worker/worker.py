@@ -72,12 +72,6 @@ class Worker:
             draft.hf_config, tp.world_size, self.dtype.itemsize)
         self.draft_model: Any = None
         check_speculative(config, self.specs, self.draft_specs)
-        if config.kv_transfer is not None and self.has_state:
-            raise ValueError(
-                f"--kv-transfer-config with {config.model.architecture}: its Gated DeltaNet "
-                "(linear attention) state would have to travel with the KV blocks, which is "
-                "not implemented yet; serve hybrid models (Qwen3.5, Qwen3-Next) without "
-                "prefill/decode disaggregation")
         self.model: Any = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -201,7 +195,7 @@ class Worker:
                                   self.has_state, grammars, self.config.pooler,
                                   self._proposer(plan))
         if self.config.kv_transfer is not None:
-            self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches.kv, plan.block_size,
+            self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
                                             self.tp.rank)
 
     @property
