@@ -258,4 +258,5 @@ class MultiprocExecutor:
         return f"{desc} x {self.config.parallel.tensor_parallel_size} ranks"
 
     def shutdown(self) -> None:
+        self.worker.close()  # the driver's KV-transfer threads (--kv-transfer-config)
         self._finalizer()
