@@ -45,3 +45,30 @@ def test_params():
         parse_kv_transfer_params({"do_remote_prefill": True, "remote_engine_id": "e",
                                   "remote_host": "h", "remote_port": 1, "remote_request_id": "r",
                                   "remote_block_ids": ["a"]})
+
+
+def test_block_server_survives_garbage_and_refuses_unknown_requests(monkeypatch):
+    """A stray client gets an error answer and the server keeps serving."""
+    import zmq
+
+    from qwenserve.kv_transfer import transport
+    from qwenserve.layers.caches import ModelCaches
+
+    monkeypatch.setattr(transport, "PENDING_S", 0.1)
+    port = __import__("socket").socket()
+    port.bind(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    server = transport.KVBlockServer(ModelCaches(), 16, "e0", address, lambda rid: None)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        sock.send_multipart([b"x", b"y", b"z"])
+        assert sock.poll(5000) and b"malformed" in sock.recv_multipart()[-1]
+        with pytest.raises(RuntimeError, match="holds no KV for request r1"):
+            transport.pull_blocks(ctx, address, {"request_id": "r1", "block_ids": [1]},
+                                  ModelCaches(), [1], 16, timeout_s=5)
+    finally:
+        ctx.destroy(linger=0)
+        server.close()

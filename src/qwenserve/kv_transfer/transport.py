@@ -89,16 +89,20 @@ class KVBlockServer:
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(20):
-                identity, _, raw = self._sock.recv_multipart()
-                try:
-                    header = json.loads(raw)
-                    if not isinstance(header, dict):
-                        raise ValueError("not an object")
-                except ValueError:
-                    self._send_error(identity, "malformed pull request")
-                    continue
-                self._pending.append(_Pending(identity, header, time.monotonic() + PENDING_S))
+                self._receive()
             self._serve_pending()
+
+    def _receive(self) -> None:
+        frames = self._sock.recv_multipart()
+        identity = frames[0]
+        try:
+            header = json.loads(frames[-1]) if len(frames) == 3 else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict):  # not a consumer of ours: answered, never fatal
+            self._send_error(identity, "malformed pull request")
+            return
+        self._pending.append(_Pending(identity, header, time.monotonic() + PENDING_S))
 
     def _serve_pending(self) -> None:
         still = []
