@@ -413,7 +413,9 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            # a P/D consumer's request waiting for its KV counts as waiting, as in vLLM
+            num_waiting=len(self.waiting) + len(self.remote.pulling)
+            - len(self.remote.aborted_pulls),
             kv_cache_usage=self.cache.usage(),
             prefix_cache_queries=self.cache.stats.queries,
             prefix_cache_hits=self.cache.stats.hits,

@@ -186,7 +186,9 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         waiting_grammar = sum(len(children) for _, _, children in self._awaiting_grammar)
-        return len(self.scheduler.waiting) + len(self.scheduler.running) + waiting_grammar
+        pulling = len(self.scheduler.remote.pulling) - len(self.scheduler.remote.aborted_pulls)
+        return (len(self.scheduler.waiting) + len(self.scheduler.running) + pulling
+                + waiting_grammar)
 
     def _admit_compiled(self) -> None:
         """Hand requests whose grammar is ready to the scheduler. With nothing else to run, wait
