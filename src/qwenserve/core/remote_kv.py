@@ -57,6 +57,30 @@ class RemoteKV:
         self.pulling[req.request_id] = req
         self._new_pulls.append(KVPull(req.request_id, list(block_ids), remote, state_slot))
 
+    def pull_problem(self, req: Request, has_states: bool) -> str | None:
+        """Why the producer's KV cannot serve this request here (None: it can)."""
+        remote = req.sampling_params.kv_transfer_params.remote
+        bs, n = self.block_size, req.num_prompt_tokens
+        if remote.block_size is not None and remote.block_size != bs:
+            return (f"the producer's --block-size is {remote.block_size}, this server's is "
+                    f"{bs}; start both with the same --block-size")
+        if remote.tp_size != self.tp_size:
+            return (f"the producer runs --tensor-parallel-size {remote.tp_size}, this server "
+                    f"{self.tp_size}; different tp_size between prefill and decode is "
+                    "not supported yet")
+        if ((remote.num_tokens is not None and remote.num_tokens < n)
+                or len(remote.block_ids) < -(-n // bs)):
+            return (f"the producer holds KV for {remote.num_tokens} tokens in "
+                    f"{len(remote.block_ids)} blocks, this prompt has {n} tokens: send the "
+                    "same prompt to both instances")
+        if has_states and not (remote.has_state and remote.num_tokens == n):
+            return ("this hybrid model resumes from the producer's recurrent state before the "
+                    f"prompt's last token, which the producer did not hold (it computed "
+                    f"{remote.num_tokens} tokens of this {n}-token prompt"
+                    + ("" if remote.has_state else ", and sent no state")
+                    + "): send the prefill request with max_tokens 1 to a qwenserve producer")
+        return None
+
     def wants_hold(self, req: Request) -> bool:
         params = req.sampling_params.kv_transfer_params
         return self.config is not None and params is not None and params.do_remote_decode

@@ -190,7 +190,7 @@ class Scheduler:
     def _start_pull(self, req: Request) -> bool:
         """P/D consumer: blocks for the whole prompt, then the workers pull its KV into them.
         False when the cache has no room (FCFS: later requests wait behind it)."""
-        problem = self._pull_problem(req)
+        problem = self.remote.pull_problem(req, self.cache.has_states)
         if problem is not None:
             self.waiting.popleft()
             self._fail(req, problem)
@@ -205,30 +205,6 @@ class Scheduler:
             req.num_cached_tokens = 0
         self.remote.start_pull(req, alloc.new_block_ids, alloc.state_slot)
         return True
-
-    def _pull_problem(self, req: Request) -> str | None:
-        """Why the producer's KV cannot serve this request here (None: it can)."""
-        remote = req.sampling_params.kv_transfer_params.remote
-        bs, n = self.cache.block_size, req.num_prompt_tokens
-        if remote.block_size is not None and remote.block_size != bs:
-            return (f"the producer's --block-size is {remote.block_size}, this server's is "
-                    f"{bs}; start both with the same --block-size")
-        if remote.tp_size != self.remote.tp_size:
-            return (f"the producer runs --tensor-parallel-size {remote.tp_size}, this server "
-                    f"{self.remote.tp_size}; different tp_size between prefill and decode is "
-                    "not supported yet")
-        if ((remote.num_tokens is not None and remote.num_tokens < n)
-                or len(remote.block_ids) < -(-n // bs)):
-            return (f"the producer holds KV for {remote.num_tokens} tokens in "
-                    f"{len(remote.block_ids)} blocks, this prompt has {n} tokens: send the "
-                    "same prompt to both instances")
-        if self.cache.has_states and not (remote.has_state and remote.num_tokens == n):
-            return ("this hybrid model resumes from the producer's recurrent state before the "
-                    f"prompt's last token, which the producer did not hold (it computed "
-                    f"{remote.num_tokens} tokens of this {n}-token prompt"
-                    + ("" if remote.has_state else ", and sent no state")
-                    + "): send the prefill request with max_tokens 1 to a qwenserve producer")
-        return None
 
     def _pull_ended(self, request_id: str, error: str | None) -> None:
         req = self.remote.pulling.pop(request_id, None)
