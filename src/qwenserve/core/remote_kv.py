@@ -46,11 +46,6 @@ class RemoteKV:
     _new_holds: list[KVHold] = field(default_factory=list)
     _releases: list[str] = field(default_factory=list)
 
-    @property
-    def busy(self) -> bool:
-        """Transfers in flight: the engine keeps stepping to see them end."""
-        return bool(self.pulling or self.held)
-
     def start_pull(self, req: Request, block_ids: list[int], state_slot: int | None) -> None:
         remote = req.sampling_params.kv_transfer_params.remote
         req.kv_pull_done = True
