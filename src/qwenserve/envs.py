@@ -164,3 +164,8 @@ def kv_hold_timeout_s() -> float:
     """P/D producer: how long held KV blocks wait for a consumer before they are freed
     (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s)."""
     return _number("KV_HOLD_TIMEOUT_S", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0)
+
+
+def host_ip() -> str | None:
+    """This host's address as other machines reach it (``VLLM_HOST_IP``), when set."""
+    return _get("HOST_IP", "VLLM_HOST_IP")

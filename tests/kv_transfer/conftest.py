@@ -21,7 +21,7 @@ PULL_TIMEOUT_S = "3"
 
 def kv_config(role: str, kv_port: int, engine_id: str, tp: int = 1) -> dict:
     return {"kv_connector": "MooncakeConnectorV1", "kv_role": role, "kv_port": str(kv_port),
-            "engine_id": engine_id,
+            "engine_id": engine_id, "kv_ip": "127.0.0.1",
             "kv_connector_extra_config": {"use_ascend_direct": True,
                                           "prefill": {"dp_size": 1, "tp_size": tp},
                                           "decode": {"dp_size": 1, "tp_size": tp}}}

@@ -109,7 +109,7 @@ class RemoteKV:
         self.held[req.request_id] = (req, time.monotonic() + self.hold_timeout_s)
         self.register(req, block_ids)
         req.kv_transfer_out = producer_answer(
-            cfg.engine_id, cfg.kv_ip, cfg.kv_port, req.request_id, block_ids, self.tp_size,
+            cfg.engine_id, cfg.host, cfg.kv_port, req.request_id, block_ids, self.tp_size,
             self.block_size, req.num_computed_tokens, req.request_id in self.state_slots)
 
     def take_sent(self, request_ids: list[str]) -> list[Request]:

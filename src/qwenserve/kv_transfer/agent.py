@@ -43,7 +43,7 @@ class KVTransferAgent:
         self._reports: dict[tuple[str, str], tuple[int, str | None]] = {}  # ranks so far
         self.server = None
         if config.is_producer:
-            address = f"tcp://{config.kv_ip}:{config.kv_port + rank}"
+            address = f"tcp://{config.kv_ip or '*'}:{config.kv_port + rank}"
             self.server = KVBlockServer(caches, block_size, config.engine_id, address,
                                         lambda rid: self._events.put(("sent", rid, None)))
 

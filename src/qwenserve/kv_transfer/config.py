@@ -9,11 +9,13 @@ accepted and said, once at start-up, to have no effect here.
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwenserve import envs
 from qwenserve.json_option import json_object_option
 
 FLAG = "--kv-transfer-config"
@@ -43,7 +45,8 @@ class KVTransferConfig:
     connector: str
     role: str  # kv_producer | kv_consumer | kv_both
     engine_id: str
-    kv_ip: str = "127.0.0.1"  # the producer binds and advertises this address
+    kv_ip: str | None = None  # the producer binds this address (None: every interface)
+    host: str = "127.0.0.1"  # the address the producer tells consumers (kv_ip, or detected)
     kv_port: int = DEFAULT_KV_PORT  # + the tensor-parallel rank
     prefill: SideLayout | None = None
     decode: SideLayout | None = None
@@ -61,7 +64,8 @@ class KVTransferConfig:
     def startup_notes(self) -> list[str]:
         notes = [f"{FLAG}: {self.connector} as {self.role}, engine_id {self.engine_id}; KV "
                  f"blocks travel as raw bytes over ZeroMQ/TCP"
-                 + (f", served on {self.kv_ip}:{self.kv_port}" if self.is_producer else "")
+                 + (f", served on {self.kv_ip or '*'}:{self.kv_port} (consumers are told "
+                    f"{self.host})" if self.is_producer else "")
                  + " (the Mooncake/NIXL/RDMA transfer engine is not used)"]
         if self.no_effect_keys:
             notes.append(f"{FLAG}: {', '.join(self.no_effect_keys)}: no effect (options of "
@@ -99,10 +103,26 @@ def parse_kv_transfer_config(value: str | Mapping[str, Any] | None) -> KVTransfe
         connector=connector, role=role,
         engine_id=str(raw["engine_id"]) if raw.get("engine_id") is not None
         else str(uuid.uuid4()),
-        kv_ip=str(raw.get("kv_ip") or "127.0.0.1"),
+        kv_ip=str(raw["kv_ip"]) if raw.get("kv_ip") else None,
+        host=str(raw["kv_ip"]) if raw.get("kv_ip") else advertised_host(),
         kv_port=_port(raw.get("kv_port", DEFAULT_KV_PORT)),
         prefill=_side(extra, "prefill"), decode=_side(extra, "decode"),
         failure_policy=policy, no_effect_keys=tuple(no_effect))
+
+
+def advertised_host() -> str:
+    """The address consumers on other machines reach this one at, as vLLM's ``get_ip``:
+    ``QWENSERVE_HOST_IP`` / ``VLLM_HOST_IP``, else the interface of the default route (a UDP
+    socket's choice: no packet is sent), else loopback."""
+    ip = envs.host_ip()
+    if ip:
+        return ip
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def _port(value: object) -> int:
