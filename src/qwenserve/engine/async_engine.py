@@ -43,7 +43,12 @@ from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
+
+
+class RequestFailedError(RuntimeError):
+    """A request the engine accepted could not be completed (a P/D consumer's KV pull failed);
+    the engine itself is fine."""
 
 _Item = RequestOutput | BaseException
 
@@ -218,6 +223,11 @@ class AsyncEngine:
                 target = self._queues.get(request_id)
                 if target is not None:
                     batches.setdefault(target[0], []).append((target[1], ValueError(message)))
+            for request_id, message in step.failures:
+                target = self._queues.get(request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append(
+                        (target[1], RequestFailedError(message)))
             settled = [(self._calls.pop(r.call_id, None), r.ok, r.value) for r in step.results]
         for loop, items in batches.items():
             _call_soon(loop, _put_all, items)

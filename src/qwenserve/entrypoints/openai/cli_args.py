@@ -41,13 +41,14 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
-    (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
     (("--reasoning-parser-plugin",), {}, (None,)),
     (("--return-tokens-as-token-ids",), {"action": BOOL}, (None, False)),
     (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
     (("--safetensors-load-strategy",), {}, (None, "lazy")),  # qwenserve maps shards lazily
+    # qwenserve always manages a hybrid model's KV blocks and state slots together
+    (("--disable-hybrid-kv-cache-manager",), {"action": BOOL}, (None, False)),
 )
 
 
@@ -59,7 +60,7 @@ VLLM_ONLY_FLAGS = frozenset(
     --code-revision --collect-detailed-traces --config-format --cpu-offload-params
     --cuda-graph-sizes --data-parallel-backend
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
-    --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
+    --disable-frontend-multiprocessing
     --disable-sliding-window --enable-dbo --enable-eplb
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
