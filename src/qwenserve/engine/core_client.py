@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -35,6 +35,9 @@ from qwenserve.engine.core_messages import (
 from qwenserve.engine.rank_process import send_message
 from qwenserve.engine.request_checks import RequestChecks
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -56,7 +59,7 @@ class OutputSink(Protocol):
 class CoreClient(Protocol):
     ready: EngineReady
     checks: RequestChecks
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
     def start(self, sink: OutputSink) -> None: ...
 
@@ -94,7 +97,7 @@ class ProcCoreClient:
                                                        output_address,
                                                        envs.cpu_omp_threads_bind()))
             self.ready = self._wait_ready(envs.engine_ready_timeout_s())
-            self.tokenizer: Any = load_tokenizer(self.ready.config.model)
+            self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.ready.config.model)
         except BaseException:
             self._close(kill=True)
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from qwenserve.entrypoints.openai.cli_help import AddsArguments
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -24,7 +25,7 @@ REPLICAS_HINT = ("run one qwenserve server per replica behind a load balancer (`
                  "deploy nginx|haproxy` writes one)")
 
 
-def add_data_parallel_flags(group: argparse._ArgumentGroup) -> None:
+def add_data_parallel_flags(group: AddsArguments) -> None:
     for flag in SINGLE_REPLICA:
         group.add_argument(flag, type=_TYPES.get(flag, int), default=None,
                            help=argparse.SUPPRESS)
