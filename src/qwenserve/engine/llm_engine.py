@@ -29,6 +29,8 @@ from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.service import GrammarService
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
@@ -249,7 +251,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.cache.reset_prefix_cache()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
 
     def shutdown(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +27,7 @@ from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.agent import KVTransferAgent
 from qwenserve.layers.backends import Backends
 from qwenserve.logger import init_logger
-from qwenserve.models.base import ModelContext
+from qwenserve.models.base import CausalLM, ModelClass, ModelContext
 from qwenserve.models.dummy_weights import fill_dummy_weights
 from qwenserve.models.loader import iter_weights
 from qwenserve.models.registry import load_model_class
@@ -70,9 +70,9 @@ class Worker:
         self.draft_cls = load_model_class(draft.architecture) if draft is not None else None
         self.draft_specs = [] if draft is None else self.draft_cls.cache_specs(
             draft.hf_config, tp.world_size, self.dtype.itemsize)
-        self.draft_model: Any = None
+        self.draft_model: CausalLM | None = None
         check_speculative(config, self.specs, self.draft_specs)
-        self.model: Any = None
+        self._model: CausalLM | None = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
         self.kv_agent: KVTransferAgent | None = None  # --kv-transfer-config
@@ -81,14 +81,20 @@ class Worker:
     # ---- start-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
-        self.model = self._load(self.config.model, self.model_cls, self._quant())
+        self._model = self._load(self.config.model, self.model_cls, self._quant())
         if self.draft_cls is not None:
             self.draft_model = self._load(self.config.draft_model, self.draft_cls, None,
                                           is_draft=True)
         self.load_s = time.perf_counter() - start
 
-    def _load(self, mc: ModelConfig, model_cls: Any, quant: QuantConfig | None,
-              is_draft: bool = False) -> Any:
+    @property
+    def model(self) -> CausalLM:
+        if self._model is None:
+            raise RuntimeError("Worker.load_model() has not run yet")
+        return self._model
+
+    def _load(self, mc: ModelConfig, model_cls: ModelClass, quant: QuantConfig | None,
+              is_draft: bool = False) -> CausalLM:
         """The target model, or (``is_draft``) a speculative-decoding drafter: its own plain
         checkpoint, never pooled nor per-rank sharded."""
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
@@ -118,7 +124,8 @@ class Worker:
                 f"{self.device}. Use more devices (--tensor-parallel-size), a quantized "
                 "checkpoint (--quantization), or a smaller model."
             ) from e
-        return model.eval()
+        model.eval()
+        return model
 
     def _quant(self) -> QuantConfig | None:
         if self.config.model.quantization is None:
