@@ -310,6 +310,16 @@ class EngineArgs:
             kv_transfer=kv_transfer,
         )
 
+    def for_data_parallel_rank(self, rank: int) -> EngineArgs:
+        """This replica's options: under ``--kv-transfer-config`` its ranks serve KV on
+        ``kv_port + rank * tp + tp_rank`` (vLLM Ascend's layout), so replicas never collide."""
+        config = parse_kv_transfer_config(self.kv_transfer_config)
+        if config is None or not rank:
+            return self
+        port = config.kv_port + rank * max(self.tensor_parallel_size, 1)
+        return dataclasses.replace(self, kv_transfer_config={**self.kv_transfer_config,
+                                                             "kv_port": port})
+
     def _kv_transfer_config(self) -> KVTransferConfig | None:
         """``--kv-transfer-config``, with what qwenserve's transfer cannot serve yet refused."""
         from qwenserve.pooling import wants_pooling

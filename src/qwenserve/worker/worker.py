@@ -203,7 +203,8 @@ class Worker:
                                   self._proposer(plan))
         if self.config.kv_transfer is not None:
             self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
-                                            self.tp.rank)
+                                            self.tp,
+                                            self.config.model.hf_config.num_key_value_heads)
 
     @property
     def has_state(self) -> bool:
