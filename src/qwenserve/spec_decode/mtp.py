@@ -66,6 +66,8 @@ class MtpProposer:
         if too_many(request_ids, self.disable_by_batch_size):
             return {}
         active = [rid for rid in request_ids if rid in last]
+        if not active:  # e.g. a step of prefill chunks only
+            return {}
         drafts: dict[str, list[int]] = {rid: [] for rid in active}
         out = last
         for step in range(self.num_tokens):
@@ -85,9 +87,15 @@ class MtpProposer:
                                  torch.stack([out[rid] for rid in active]), batch, self.caches)
                 out = dict(zip(active, rows))
             rows = torch.stack([out[rid] for rid in active])
-            for rid, token in zip(active, self.head.compute_logits(rows).argmax(-1).tolist()):
+            for rid, token in zip(active, self.choose(active, rows, step, requests)):
                 drafts[rid].append(token)
         return {rid: d for rid, d in drafts.items() if d}
+
+    def choose(self, request_ids: list[str], rows: torch.Tensor, step: int,
+               requests: Mapping[str, RequestTokens]) -> list[int]:
+        """Draft ``step`` of each request from the head's output rows: the LM head's argmax
+        (the tests' rigged head overrides this to propose the target's own continuation)."""
+        return self.head.compute_logits(rows).argmax(-1).tolist()
 
     @staticmethod
     def _position(state: RequestTokens) -> int:
