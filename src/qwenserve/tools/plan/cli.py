@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
 def make_report(args: argparse.Namespace) -> dict:
     from qwenserve.models.model_config import resolve_max_model_len
-    from qwenserve.tools.plan.model import load_config
     from qwenserve.spec_decode.config import MTP, mtp_num_layers, parse_speculative_config
+    from qwenserve.tools.plan.model import load_config
     from qwenserve.tools.plan.quant import checkpoint_quantization, qwenserve_problem
 
     model = load_config(args.model, args.hf_overrides)
