@@ -141,13 +141,14 @@ class RiggedMtp(MtpProposer):
 
 @pytest.fixture(scope="module")
 def rigged(mtp_path):
-    """Qwen3.5 with an 8-block KV cache (five requests of up to 60 tokens do not fit at once:
-    preemption) and the rigged head."""
+    """Qwen3.5 with a 5-block KV cache of 16 tokens (five requests of up to 60 tokens do not fit
+    at once: preemption) and the rigged head."""
     path = mtp_path("qwen3_5")
     plain = _llm(path)
     expected = ids(gen(plain, SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K + 1,
                                              ignore_eos=True)))
-    spec = _llm(path, speculative_config=MTP, num_gpu_blocks_override=8)
+    spec = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=16,
+               block_size=16, speculative_config=MTP, num_gpu_blocks_override=5)
     proposer = spec.llm_engine.executor.worker.runner.proposer
     proposer.__class__ = RiggedMtp
     RiggedMtp.expected = {tuple(p): e for p, e in zip(PROMPTS, expected)}

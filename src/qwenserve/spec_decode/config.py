@@ -117,3 +117,11 @@ def mtp_num_layers(hf_config: Any) -> int:
         if isinstance(got, int) and got > 0:
             return got
     return 1
+
+
+def mtp_lookahead_tokens(config: SpeculativeConfig | None) -> int:
+    """KV slots to allocate past each step's tokens: MTP draft steps 2..k write the head's KV
+    at the k - 1 positions after the last one the target computes."""
+    if config is None or config.method != MTP:
+        return 0
+    return config.num_speculative_tokens - 1
