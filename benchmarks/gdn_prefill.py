@@ -8,6 +8,7 @@ prints markdown table rows (median of the repeats, and the min: steadier on a sh
 
     python benchmarks/gdn_prefill.py [--tokens 2048] [--layers 1] [--repeats 3] [--threads N]
                                      [--chunk-size 32] [--hf] [--backend fused]
+                                     [--decode-batch 64]
 """
 
 from __future__ import annotations
@@ -144,6 +145,29 @@ def build_cases(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable]
     return cases
 
 
+def decode_case(backend: RecurrentBackend, batch: int) -> Callable[[], torch.Tensor]:
+    """One decode step of ``batch`` sequences through a GDN layer's kernels (conv, gating, delta
+    rule, gated norm): the state-pool traffic the projections' GEMMs sit beside."""
+    conv_state = torch.randn(batch, KERNEL - 1, CONV_DIM)  # [slots, K-1, conv_dim]
+    pool = torch.randn(batch, HV, DK, DV) * 0.1  # [slots, Hv, Dk, Dv]
+    x = torch.randn(batch, CONV_DIM)
+    weight = torch.randn(CONV_DIM, KERNEL) * 0.3
+    a, b, z = torch.randn(batch, HV), torch.randn(batch, HV), torch.randn(batch, HV, DV)
+    a_log, dt_bias, norm_weight = torch.rand(HV), torch.rand(HV), torch.ones(DV)
+    slots = list(range(batch))
+
+    def step() -> torch.Tensor:
+        meta = backend.build_metadata(list(range(batch + 1)), slots, [True] * batch, "cpu")
+        mixed = backend.causal_conv1d(x, weight, None, conv_state, meta)
+        q, k, v = mixed.split([HK * DK, HK * DK, HV * DV], dim=-1)
+        g, beta = gdn_gating(a, b, a_log, dt_bias)
+        o = backend.gated_delta_rule(q.reshape(batch, HK, DK), k.reshape(batch, HK, DK),
+                                     v.reshape(batch, HV, DV), g, beta, pool, meta)
+        return rms_norm_gated(o, z, norm_weight)
+
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -154,6 +178,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=0, help="0: the backend's")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--hf", action="store_true", help="also time HF's torch fallbacks")
+    parser.add_argument("--decode-batch", type=int, default=64,
+                        help="also time a decode step of this batch, backend vs torch_ref (0: no)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,6 +207,17 @@ def main() -> None:
                 f"| {min(t_chunk) * 1e3:.1f} / {min(t_rec) * 1e3:.1f} | {cpu_c:.1f} / {cpu_r:.1f} "
                 f"| {cpu_r / cpu_c:.1f}x | {diff:.1e} |"
             )
+        if args.decode_batch:
+            fns = (decode_case(get_recurrent_backend(args.backend), args.decode_batch),
+                   decode_case(get_recurrent_backend("torch_ref"), args.decode_batch))
+            (t_new, t_ref), (c_new, c_ref), _ = time_pair(fns, args.repeats)
+            print(f"\n| GDN decode step, batch {args.decode_batch} (conv, gating, delta rule, gated "
+                  f"norm) | {args.backend} ms | torch_ref ms | speed-up | CPU ms {args.backend} / "
+                  "torch_ref | CPU-time speed-up |\n|---|---|---|---|---|---|")
+            med_n, med_r = statistics.median(t_new) * 1e3, statistics.median(t_ref) * 1e3
+            cpu_n, cpu_r = statistics.median(c_new) * 1e3, statistics.median(c_ref) * 1e3
+            print(f"| one layer | {med_n:.1f} | {med_r:.1f} | {med_r / med_n:.1f}x "
+                  f"| {cpu_n:.1f} / {cpu_r:.1f} | {cpu_r / cpu_n:.1f}x |")
 
 
 if __name__ == "__main__":
