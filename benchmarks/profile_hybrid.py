@@ -61,19 +61,20 @@ def instrument(backend_cls: type) -> None:
 
 
 def breakdown(prof, wall_s: float) -> dict[str, float]:
-    """Seconds per bucket: top-level ops only (their children run inside them)."""
+    """Seconds per bucket: a labelled region's whole span (native kernels inside it are no
+    aten ops), else top-level ops by name (their children run inside them)."""
     out: dict[str, float] = defaultdict(float)
     for ev in prof.events():
-        if ev.name in LABELS:
-            continue
-        parent, label = ev.cpu_parent, None
-        while parent is not None and parent.name in LABELS:
-            label = label or parent.name
+        parent = ev.cpu_parent
+        while parent is not None and parent.name not in LABELS:
             parent = parent.cpu_parent
-        if parent is not None:  # a child of another op: counted in its parent
+        if parent is not None:  # inside a labelled region: counted with it
             continue
-        name = label or ("GEMM (projections, MLP)" if ev.name in GEMM_OPS else "other ops")
-        out[name] += ev.cpu_time_total / 1e6
+        if ev.name in LABELS:
+            out[ev.name] += ev.cpu_time_total / 1e6
+        elif ev.cpu_parent is None:
+            name = "GEMM (projections, MLP)" if ev.name in GEMM_OPS else "other ops"
+            out[name] += ev.cpu_time_total / 1e6
     out["python/scheduler overhead"] = max(0.0, wall_s - sum(out.values()))
     return dict(out)
 
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=6)
     p.add_argument("--recurrent-backend", default="", help="force one (default: the platform's)")
+    p.add_argument("--phases", default="prefill,decode")
     args = p.parse_args()
 
     import torch
@@ -140,11 +142,12 @@ def main() -> None:
     # prefill-heavy: one step of 8 prompts x 256 tokens (2,048 tokens, the default step budget);
     # decode-heavy: a batch of one-token decodes after 16-token prompts (the GDN state and GEMM
     # costs of a decode step do not depend on the context length; attention's grows with it)
-    phases = {
-        "prefill": run_phase(engine, prompts[: 2048 // PROMPT_LEN], 1, "prefill", 0, 1),
-        "decode": run_phase(engine, [p[:16] for p in prompts[: args.decode_batch]],
-                            args.decode_steps, "decode", 2, 2),
-    }
+    phases = {}
+    if "prefill" in args.phases:
+        phases["prefill"] = run_phase(engine, prompts[: 2048 // PROMPT_LEN], 1, "prefill", 0, 1)
+    if "decode" in args.phases:
+        phases["decode"] = run_phase(engine, [p[:16] for p in prompts[: args.decode_batch]],
+                                     args.decode_steps, "decode", 2, 2)
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(f"qwen3.5-0.8b shape, {args.dtype}, {torch.get_num_threads()} threads, recurrent "
           f"backend {name}")

@@ -1,5 +1,5 @@
 """Gated DeltaNet (Qwen3.5 linear-attention) kernels: the seam in ``base``, the reference in
-``torch_ref``/``delta_rule``, and the gated RMSNorm that ends the layer."""
+``torch_ref``/``delta_rule``, the CPU backend in ``fused``, and the gated RMSNorm that ends the layer."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ class FusedRecurrentBackend(RecurrentBackend):
     ) -> torch.Tensor:
         ops = native_ops()
         if ops is None or x.device.type != "cpu" or conv_state.dtype != x.dtype \
-                or activation not in (None, "silu", "swish"):
+                or not conv_state.is_contiguous() or activation not in (None, "silu", "swish"):
             return causal_conv1d_varlen(x, weight, bias, conv_state, meta.query_start_loc,
                                         meta.state_slots, meta.has_initial_state, activation)
         weight_t = weight.reshape(weight.shape[0], -1).t().float().contiguous()  # [K, conv_dim]
