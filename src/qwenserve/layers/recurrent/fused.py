@@ -10,7 +10,8 @@
   bmm of 2C rows was measured and did not pay for the extra copies (docs/benchmarks.md).
 
 Without a C++ compiler (or with ``QWENSERVE_NATIVE=0``) decode and conv run the reference's
-PyTorch code, after one log line from ``qwenserve.native``.
+PyTorch code, after one log line from ``qwenserve.native``; so does decode with a state pool that
+is not fp32 (``--mamba-ssm-cache-dtype``).
 """
 
 from __future__ import annotations
