@@ -21,7 +21,7 @@ Qwen3.5's four matrices while loading (``split_qwen3_next_projections``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ logger = init_logger(__name__)
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 
-def layer_types(cfg: Any) -> list[str]:
+def layer_types(cfg: PretrainedConfig) -> list[str]:
     types = getattr(cfg, "layer_types", None)
     if types:
         return list(types)
@@ -57,7 +57,7 @@ def layer_types(cfg: Any) -> list[str]:
             for i in range(cfg.num_hidden_layers)]
 
 
-def partial_rotary_factor(cfg: Any) -> float:
+def partial_rotary_factor(cfg: PretrainedConfig) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
     return float(params.get("partial_rotary_factor",
                             getattr(cfg, "partial_rotary_factor", 0.25) or 0.25))
@@ -274,7 +274,7 @@ def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
         logger.info("Skipped %d vision-tower / MTP tensors (not needed to serve text)", skipped)
 
 
-def split_qwen3_next_projections(weights: Iterable[tuple[str, torch.Tensor]], cfg: Any
+def split_qwen3_next_projections(weights: Iterable[tuple[str, torch.Tensor]], cfg: PretrainedConfig
                                  ) -> Iterable[tuple[str, torch.Tensor]]:
     """Qwen3-Next's ``in_proj_qkvz`` rows are [q | k | v | z] per key head (v and z holding that
     head's Hv/Hk value heads) and ``in_proj_ba`` rows [b | a] per key head; regroup them into

@@ -16,7 +16,6 @@ Drafts are argmaxes (q one-hot), which the rejection sampler accepts with probab
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -24,11 +23,12 @@ from qwenserve.core.sched_output import ScheduledChunk
 from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
+from qwenserve.models.base import CausalLM
 from qwenserve.spec_decode.proposer import RequestTokens, too_many
 
 
 class DraftModelProposer:
-    def __init__(self, model: Any, caches: ModelCaches, attn_backend: AttentionBackend,
+    def __init__(self, model: CausalLM, caches: ModelCaches, attn_backend: AttentionBackend,
                  block_size: int, device: torch.device, num_tokens: int,
                  disable_by_batch_size: int | None = None) -> None:
         self.model = model

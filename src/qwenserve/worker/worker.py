@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from qwenserve.config import EngineConfig, ModelConfig
 from qwenserve.core.cache.plan import (
@@ -24,10 +25,11 @@ from qwenserve.core.sched_output import (
     SchedulerOutput,
 )
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
+from qwenserve.kv_transfer.agent import KVTransferAgent
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.logger import init_logger
-from qwenserve.models.base import ModelContext
+from qwenserve.models.base import CausalLM, ModelClass, ModelContext
 from qwenserve.models.dummy_weights import fill_dummy_weights
 from qwenserve.models.loader import iter_safetensors, iter_weights, safetensors_files
 from qwenserve.models.qwen3_5_mtp import MTP_PREFIXES
@@ -73,7 +75,7 @@ class Worker:
         self.draft_cls = load_model_class(draft.architecture) if draft is not None else None
         self.draft_specs = [] if draft is None else self.draft_cls.cache_specs(
             draft.hf_config, tp.world_size, self.dtype.itemsize)
-        self.draft_model: Any = None
+        self.draft_model: CausalLM | None = None
         # MTP: the checkpoint's own head, its attention KV one more paged layer of the target.
         self.use_mtp = config.speculative is not None and config.speculative.method == MTP
         check_speculative(config, self.specs, self.draft_specs,
@@ -81,16 +83,17 @@ class Worker:
         if self.use_mtp:
             self.specs = self.specs + self.model_cls.mtp_cache_specs(
                 config.model.hf_config, tp.world_size, self.dtype.itemsize)
-        self.mtp_head: Any = None
-        self.model: Any = None
+        self.mtp_head: nn.Module | None = None
+        self._model: CausalLM | None = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
+        self.kv_agent: KVTransferAgent | None = None  # --kv-transfer-config
         self.load_s = 0.0
 
     # ---- start-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
-        self.model = self._load(self.config.model, self.model_cls, self._quant())
+        self._model = self._load(self.config.model, self.model_cls, self._quant())
         if self.draft_cls is not None:
             self.draft_model = self._load(self.config.draft_model, self.draft_cls, None,
                                           is_draft=True)
@@ -98,8 +101,14 @@ class Worker:
             self.mtp_head = self._load_mtp_head()
         self.load_s = time.perf_counter() - start
 
-    def _load(self, mc: ModelConfig, model_cls: Any, quant: QuantConfig | None,
-              is_draft: bool = False) -> Any:
+    @property
+    def model(self) -> CausalLM:
+        if self._model is None:
+            raise RuntimeError("Worker.load_model() has not run yet")
+        return self._model
+
+    def _load(self, mc: ModelConfig, model_cls: ModelClass, quant: QuantConfig | None,
+              is_draft: bool = False) -> CausalLM:
         """The target model, or (``is_draft``) a speculative-decoding drafter: its own plain
         checkpoint, never pooled nor per-rank sharded."""
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
@@ -129,9 +138,10 @@ class Worker:
                 f"{self.device}. Use more devices (--tensor-parallel-size), a quantized "
                 "checkpoint (--quantization), or a smaller model."
             ) from e
-        return model.eval()
+        model.eval()
+        return model
 
-    def _load_mtp_head(self) -> Any:
+    def _load_mtp_head(self) -> nn.Module:
         """The target checkpoint's ``mtp.*`` head (unquantized; only its tensors are read)."""
         mc = self.config.model
         if mc.source.is_gguf:
@@ -225,6 +235,10 @@ class Worker:
                                   self.device, self.tp.is_driver, self.config.seed,
                                   self.has_state, grammars, self.config.pooler,
                                   self._proposer(plan, caches))
+        if self.config.kv_transfer is not None:
+            self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
+                                            self.tp,
+                                            self.config.model.hf_config.num_key_value_heads)
 
     @property
     def has_state(self) -> bool:
@@ -268,4 +282,14 @@ class Worker:
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         assert self.runner is not None, "init_cache() first"
-        return self.runner.execute(sched)
+        if self.kv_agent is None:
+            return self.runner.execute(sched)
+        self.kv_agent.apply(sched)
+        out = self.runner.execute(sched)
+        self.kv_agent.collect(out, idle=sched.is_empty, tp=self.tp)
+        return out
+
+    def close(self) -> None:
+        if self.kv_agent is not None:
+            self.kv_agent.close()
+            self.kv_agent = None
