@@ -19,7 +19,7 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve import envs
 from qwenserve.config import EngineConfig
@@ -41,9 +41,17 @@ from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = init_logger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
+
+
+class RequestFailedError(RuntimeError):
+    """A request the engine accepted could not be completed (a P/D consumer's KV pull failed);
+    the engine itself is fine."""
 
 _Item = RequestOutput | BaseException
 
@@ -118,7 +126,7 @@ class AsyncEngine:
                                "QWENSERVE_ENABLE_MULTIPROCESSING=0 to reach it in-process")
         return self.core.engine
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.core.tokenizer
 
     @property
@@ -218,6 +226,11 @@ class AsyncEngine:
                 target = self._queues.get(request_id)
                 if target is not None:
                     batches.setdefault(target[0], []).append((target[1], ValueError(message)))
+            for request_id, message in step.failures:
+                target = self._queues.get(request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append(
+                        (target[1], RequestFailedError(message)))
             settled = [(self._calls.pop(r.call_id, None), r.ok, r.value) for r in step.results]
         for loop, items in batches.items():
             _call_soon(loop, _put_all, items)
