@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qwenserve import envs
+from qwenserve.kv_transfer.config import KVTransferConfig
 from qwenserve.multimodal.config import MultiModalConfig
 
 if TYPE_CHECKING:
@@ -139,3 +140,4 @@ class EngineConfig:
     pooler: PoolerConfig | None = None  # --runner pooling: what a request returns
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None  # the drafter (speculative method draft_model)
+    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (P/D disaggregation)

@@ -159,3 +159,19 @@ def cpu_omp_threads_bind() -> str:
 def engine_ready_timeout_s() -> float:
     """How long the server waits for its engine process to load the model (default 1 hour)."""
     return _number("ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", 3600.0)
+
+
+def kv_pull_timeout_s() -> float:
+    """P/D consumer: how long a KV pull waits for the producer's answer (30 s)."""
+    return _number("KV_PULL_TIMEOUT_S", None, 30.0)
+
+
+def kv_hold_timeout_s() -> float:
+    """P/D producer: how long held KV blocks wait for a consumer before they are freed
+    (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s)."""
+    return _number("KV_HOLD_TIMEOUT_S", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0)
+
+
+def host_ip() -> str | None:
+    """This host's address as other machines reach it (``VLLM_HOST_IP``), when set."""
+    return _get("HOST_IP", "VLLM_HOST_IP")

@@ -11,6 +11,7 @@ exits as soon as the API process dies (``rank_process.DriverLink``).
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import signal
@@ -61,6 +62,9 @@ class CoreClient(Protocol):
     checks: RequestChecks
     tokenizer: PreTrainedTokenizerBase
 
+    @property
+    def engine_indexes(self) -> tuple[int, ...]: ...  # the engines' data-parallel ranks
+
     def start(self, sink: OutputSink) -> None: ...
 
     def send(self, command: Command) -> None: ...
@@ -71,7 +75,12 @@ class CoreClient(Protocol):
 class ProcCoreClient:
     """Start the engine process, wait until it has loaded the model, then relay."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    engine_indexes: tuple[int, ...] = (0,)
+
+    def __init__(self, engine_args: EngineArgs, omp_threads_bind: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """``omp_threads_bind`` and ``env`` (added to the engine process's environment) give a
+        data-parallel replica its own cores and devices (``dp_client.py``)."""
         from qwenserve.engine.core_proc import CoreProcArguments
         from qwenserve.models.tokenizer import load_tokenizer
 
@@ -89,13 +98,15 @@ class ProcCoreClient:
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._proc = subprocess.Popen([sys.executable, "-m", "qwenserve.engine.core_proc"],
-                                      stdin=subprocess.PIPE)
+                                      stdin=subprocess.PIPE,
+                                      env={**os.environ, **env} if env else None)
         # The tokenizer's imports (transformers) load here while the engine loads the model.
         threading.Thread(target=_import_tokenizer_modules, daemon=True).start()
         try:
             send_message(self._proc, CoreProcArguments(engine_args, input_address,
                                                        output_address,
-                                                       envs.cpu_omp_threads_bind()))
+                                                       omp_threads_bind
+                                                       or envs.cpu_omp_threads_bind()))
             self.ready = self._wait_ready(envs.engine_ready_timeout_s())
             self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.ready.config.model)
         except BaseException:

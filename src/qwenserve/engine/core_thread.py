@@ -23,6 +23,8 @@ logger = init_logger(__name__)
 
 
 class ThreadCoreClient:
+    engine_indexes: tuple[int, ...] = (0,)
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._core = EngineCore(engine)

@@ -24,6 +24,7 @@ from qwenserve.core.sched_output import (
     SchedulerOutput,
 )
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
+from qwenserve.kv_transfer.agent import KVTransferAgent
 from qwenserve.layers.backends import Backends
 from qwenserve.logger import init_logger
 from qwenserve.models.base import CausalLM, ModelClass, ModelContext
@@ -74,6 +75,7 @@ class Worker:
         self._model: CausalLM | None = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
+        self.kv_agent: KVTransferAgent | None = None  # --kv-transfer-config
         self.load_s = 0.0
 
     # ---- start-up -----------------------------------------------------------------------------
@@ -199,6 +201,9 @@ class Worker:
                                   self.device, self.tp.is_driver, self.config.seed,
                                   self.has_state, grammars, self.config.pooler,
                                   self._proposer(plan))
+        if self.config.kv_transfer is not None:
+            self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
+                                            self.tp.rank)
 
     @property
     def has_state(self) -> bool:
@@ -238,4 +243,14 @@ class Worker:
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         assert self.runner is not None, "init_cache() first"
-        return self.runner.execute(sched)
+        if self.kv_agent is None:
+            return self.runner.execute(sched)
+        self.kv_agent.apply(sched)
+        out = self.runner.execute(sched)
+        self.kv_agent.collect(out, idle=sched.is_empty, tp=self.tp)
+        return out
+
+    def close(self) -> None:
+        if self.kv_agent is not None:
+            self.kv_agent.close()
+            self.kv_agent = None

@@ -47,15 +47,14 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
-    (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
     (("--reasoning-parser-plugin",), {}, (None,)),
     (("--return-tokens-as-token-ids",), {"action": BOOL}, (None, False)),
     (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
-    (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
-    (("--headless",), {"action": BOOL}, (None, False)),
     (("--safetensors-load-strategy",), {}, (None, "lazy")),  # qwenserve maps shards lazily
+    # qwenserve always manages a hybrid model's KV blocks and state slots together
+    (("--disable-hybrid-kv-cache-manager",), {"action": BOOL}, (None, False)),
 )
 
 
@@ -67,7 +66,7 @@ VLLM_ONLY_FLAGS = frozenset(
     --code-revision --collect-detailed-traces --config-format --cpu-offload-params
     --cuda-graph-sizes --data-parallel-backend
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
-    --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
+    --disable-frontend-multiprocessing
     --disable-sliding-window --enable-dbo --enable-eplb
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
@@ -307,9 +306,6 @@ def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
     )
     for names, kwargs, _ in UNIMPLEMENTED:
         g.add_argument(*names, default=None, help=argparse.SUPPRESS, **kwargs)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
-                   help=argparse.SUPPRESS)
-    add_data_parallel_flags(g)
 
 
 class ServeArgumentParser(argparse.ArgumentParser):
@@ -383,6 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_frontend(parser)
     EngineArgs.add_cli_args(parser)
     _add_engine_extras(parser)
+    add_data_parallel_flags(parser.group("ParallelConfig"))
     _add_unimplemented(parser)
     parser.epilog = HELP_EPILOG.format(prog=parser.prog)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
