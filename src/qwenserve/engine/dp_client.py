@@ -197,7 +197,8 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
                 if dp.remote_ranks else "")
     remote = RemoteReplicas(dp) if dp.remote_ranks else None
     starters: dict[int, Callable[[], Replica]] = {
-        rank: (lambda b=bindings[k], e=device_envs[k]: ProcCoreClient(engine_args, b, e))
+        rank: (lambda b=bindings[k], e=device_envs[k], r=rank: ProcCoreClient(
+            engine_args.for_data_parallel_rank(r), b, e))
         for k, rank in enumerate(dp.local_ranks)
     }
     if remote is not None:

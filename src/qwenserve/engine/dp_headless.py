@@ -70,7 +70,8 @@ def run_headless(engine_args: EngineArgs, dp: DataParallelConfig) -> int:
             env = {**os.environ, **device_envs[k]} if device_envs[k] else None
             procs[rank] = subprocess.Popen([sys.executable, "-m", "qwenserve.engine.core_proc"],
                                            stdin=subprocess.PIPE, env=env)
-            send_message(procs[rank], CoreProcArguments(engine_args, welcome.input_address,
+            send_message(procs[rank], CoreProcArguments(engine_args.for_data_parallel_rank(rank),
+                                                        welcome.input_address,
                                                         welcome.output_address, bindings[k]))
             logger.info("Data-parallel rank %d: engine process %d, serving the head at %s:%d",
                         rank, procs[rank].pid, dp.address, dp.rpc_port)
