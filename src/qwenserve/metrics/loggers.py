@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from qwenserve.logger import init_logger
-from qwenserve.metrics.stats import EngineStats, SpecDecodingStats
+from qwenserve.metrics.stats import EngineStats, MultiModalCacheStats, SpecDecodingStats
 
 logger = init_logger("qwenserve.engine")
 
@@ -13,8 +14,12 @@ logger = init_logger("qwenserve.engine")
 class LoggingStatLogger:
     """Logs throughput, queue and cache figures every ``interval_s`` while the engine works."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0,
+                 mm_cache: Callable[[], MultiModalCacheStats] | None = None) -> None:
         self.interval_s = interval_s
+        # the processed-image cache's totals (set by the server once its image front exists)
+        self.mm_cache = mm_cache
+        self._last_mm = MultiModalCacheStats()
         self._last = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -32,13 +37,19 @@ class LoggingStatLogger:
             return
         queries = stats.prefix_cache_queries - self._last_queries
         hits = stats.prefix_cache_hits - self._last_hits
-        logger.info(
-            "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
-            "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, Preemptions: %d, "
-            "KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
-            stats.num_running, stats.num_waiting, stats.num_preemptions,
-            stats.kv_cache_usage * 100, 100.0 * hits / queries if queries else 0.0)
+        line = ("Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
+                "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, Preemptions: %d, "
+                "KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%")
+        args = [self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
+                stats.num_running, stats.num_waiting, stats.num_preemptions,
+                stats.kv_cache_usage * 100, 100.0 * hits / queries if queries else 0.0]
+        mm = self.mm_cache() if self.mm_cache is not None else MultiModalCacheStats()
+        if mm.queries:  # vLLM adds the image cache's rate once it has been queried
+            mm_queries, mm_hits = mm.queries - self._last_mm.queries, mm.hits - self._last_mm.hits
+            line += ", MM cache hit rate: %.1f%%"
+            args.append(100.0 * mm_hits / mm_queries if mm_queries > 0 else 0.0)
+        self._last_mm = mm
+        logger.info(line, *args)
         if stats.iteration.spec_decoding is not None:
             self._log_spec_decoding(elapsed)
         self._last = now

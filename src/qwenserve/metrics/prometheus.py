@@ -13,10 +13,19 @@ thread-safe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, SpecDecodingStats
+from qwenserve.metrics.stats import (
+    EngineStats,
+    FinishedRequestStats,
+    MultiModalCacheStats,
+    SpecDecodingStats,
+)
+
+# the processed-image cache's running totals, read where the cache lives (the API process)
+MultiModalCacheSource = Callable[[], MultiModalCacheStats]
 
 TTFT_BUCKETS = (
     0.001,
@@ -127,6 +136,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "vllm:prefix_cache_hits",
         "counter",
         "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    MetricSpec(
+        "vllm:mm_cache_queries",
+        "counter",
+        "Multi-modal cache queries, in terms of number of queried items.",
+    ),
+    MetricSpec(
+        "vllm:mm_cache_hits",
+        "counter",
+        "Multi-modal cache hits, in terms of number of cached items.",
     ),
     MetricSpec(
         "vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."
@@ -284,9 +303,10 @@ class PrometheusStatLogger:
 
     def __init__(
         self, registry: Any, model_name: str, max_model_len: int, show_hidden: bool = False,
-        speculative: bool = False,
+        speculative: bool = False, mm_cache: MultiModalCacheSource | None = None,
     ) -> None:
         self.registry = registry
+        self.mm_cache = mm_cache  # None: no processed-image cache (text model, or 0 GB)
         labels = {"model_name": model_name, "engine": "0"}
         self._m: dict[str, Any] = {}
         for spec in METRICS + (SPEC_DECODE_METRICS if speculative else ()):
@@ -300,6 +320,7 @@ class PrometheusStatLogger:
             for reason in FINISH_REASONS
         }
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_mm_queries = self._last_mm_hits = 0
 
     def log_cache_config(
         self,
@@ -355,11 +376,16 @@ class PrometheusStatLogger:
 
     def _record_cumulative(self, stats: EngineStats) -> None:
         """The engine reports these as running totals; counters take the increase. A total that
-        went down (a reset) starts a new baseline instead of a negative increment."""
+        went down (a reset) starts a new baseline instead of a negative increment. The image
+        cache's totals are read from its source at each step (a request's images are processed
+        before its first step)."""
+        mm = self.mm_cache() if self.mm_cache is not None else MultiModalCacheStats()
         for name, attr, value in (
             ("vllm:prefix_cache_queries", "_last_queries", stats.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "_last_hits", stats.prefix_cache_hits),
             ("vllm:num_preemptions", "_last_preemptions", stats.num_preemptions),
+            ("vllm:mm_cache_queries", "_last_mm_queries", mm.queries),
+            ("vllm:mm_cache_hits", "_last_mm_hits", mm.hits),
         ):
             last = getattr(self, attr)
             if value > last:

@@ -105,12 +105,15 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from qwenserve.metrics.prometheus import PrometheusStatLogger, make_registry
 
     deferred = _DeferredStatLogger()
-    loggers: list[Any] = [deferred] if args.disable_log_stats else [deferred, LoggingStatLogger()]
+    log_line = None if args.disable_log_stats else LoggingStatLogger()
+    loggers: list[Any] = [deferred] if log_line is None else [deferred, log_line]
     engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers)
     config = engine.config
     options = _options(args, config.model.name)
     root = getattr(config.model.source, "gguf_file", None) or config.model.source.folder
     state = ServerState(engine, options, model_root=root)
+    if log_line is not None:
+        log_line.mm_cache = state.images.cache_stats
     registry = make_registry()
     prom = PrometheusStatLogger(
         registry,
@@ -118,6 +121,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         state.max_model_len,
         show_hidden=args.show_hidden_metrics_for_version is not None,
         speculative=config.speculative is not None,
+        mm_cache=state.images.cache_stats,
     )
     plan = engine.plan
     prom.log_cache_config(
