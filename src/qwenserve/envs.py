@@ -62,6 +62,12 @@ def http_header_timeout_s() -> float:
     return _number("HTTP_HEADER_TIMEOUT", None, 10.0)
 
 
+def http_body_timeout_s() -> float:
+    """A request whose body has not fully arrived this long after its headers gets a 408 and
+    its connection closes (60 s: a 32 MB body at ~0.5 MB/s)."""
+    return _number("HTTP_BODY_TIMEOUT", None, 60.0)
+
+
 def server_dev_mode() -> bool:
     """Serve the development routes (``/reset_prefix_cache``), as ``VLLM_SERVER_DEV_MODE``."""
     return _flag("SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")

@@ -31,7 +31,7 @@ from qwenserve.multimodal.config import (
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
-from qwenserve.spec_decode.config import parse_speculative_config
+from qwenserve.spec_decode.config import mtp_num_layers, parse_speculative_config
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -267,7 +267,8 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
-        speculative = parse_speculative_config(self.speculative_config)
+        speculative = parse_speculative_config(self.speculative_config,
+                                               mtp_num_layers(model_config.hf_config))
         kv_transfer = self._kv_transfer_config()
         draft_model = None
         if speculative is not None and speculative.model:  # the drafter, in the target's dtype

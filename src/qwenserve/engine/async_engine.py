@@ -19,7 +19,7 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve import envs
 from qwenserve.config import EngineConfig
@@ -40,6 +40,9 @@ from qwenserve.metrics.stats import EngineStats, IterationStats
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -123,7 +126,7 @@ class AsyncEngine:
                                "QWENSERVE_ENABLE_MULTIPROCESSING=0 to reach it in-process")
         return self.core.engine
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.core.tokenizer
 
     @property

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -36,6 +36,9 @@ from qwenserve.engine.core_messages import (
 from qwenserve.engine.rank_process import send_message
 from qwenserve.engine.request_checks import RequestChecks
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -57,7 +60,7 @@ class OutputSink(Protocol):
 class CoreClient(Protocol):
     ready: EngineReady
     checks: RequestChecks
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
     @property
     def engine_indexes(self) -> tuple[int, ...]: ...  # the engines' data-parallel ranks
@@ -105,7 +108,7 @@ class ProcCoreClient:
                                                        omp_threads_bind
                                                        or envs.cpu_omp_threads_bind()))
             self.ready = self._wait_ready(envs.engine_ready_timeout_s())
-            self.tokenizer: Any = load_tokenizer(self.ready.config.model)
+            self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.ready.config.model)
         except BaseException:
             self._close(kill=True)
             raise

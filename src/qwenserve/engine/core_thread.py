@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.engine.core import EngineCore
 from qwenserve.engine.core_client import OutputSink
 from qwenserve.engine.core_messages import Command, Shutdown
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -27,7 +30,7 @@ class ThreadCoreClient:
         self._core = EngineCore(engine)
         self.ready = self._core.ready_message()
         self.checks = engine.checks
-        self.tokenizer: Any = engine.tokenizer
+        self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 

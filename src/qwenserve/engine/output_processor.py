@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.core.sched_output import RequestUpdate, SampledToken
 from qwenserve.engine.detokenizer import IncrementalDetokenizer
@@ -22,6 +22,9 @@ from qwenserve.outputs import (
     RequestOutput,
 )
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -63,7 +66,7 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}

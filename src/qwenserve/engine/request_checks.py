@@ -6,12 +6,15 @@ bad request is a 400 at once; the engine runs them again when it adds the reques
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.config import EngineConfig
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.service import GrammarService, model_grammar_service
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class PromptTooLongError(ValueError):
@@ -19,7 +22,7 @@ class PromptTooLongError(ValueError):
 
 
 class RequestChecks:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._grammars: GrammarService | None = None

@@ -238,9 +238,9 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
 
 
 def _http_protocol() -> Any:
-    from qwenserve.entrypoints.openai.http_protocol import protocol_with_header_timeout
+    from qwenserve.entrypoints.openai.http_protocol import timed_protocol
 
-    return protocol_with_header_timeout(envs.http_header_timeout_s())
+    return timed_protocol(envs.http_header_timeout_s(), envs.http_body_timeout_s())
 
 
 def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from qwenserve.engine.dp_config import DEFAULT_ADDRESS, DEFAULT_RPC_PORT, DataParallelConfig
+from qwenserve.entrypoints.openai.cli_help import AddsArguments
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -25,7 +26,7 @@ FLAGS: dict[str, type] = {
 BOOL = argparse.BooleanOptionalAction
 
 
-def add_data_parallel_flags(group: argparse._ArgumentGroup) -> None:
+def add_data_parallel_flags(group: AddsArguments) -> None:
     group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                        help="Engine replicas (data-parallel ranks) behind this API server, "
                        "each with --tensor-parallel-size ranks of its own.")
