@@ -16,9 +16,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-from helpers.tiny_models import add_mtp_head
 from oai_server import free_port
 
+from helpers.tiny_models import add_mtp_head
 from qwenserve import LLM, SamplingParams
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.entrypoints.openai.cli_args import make_serve_parser
