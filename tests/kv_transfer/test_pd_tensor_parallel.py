@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 from oai_server import RemoteServer, free_port
+from pd_helpers import kv_config, serve_args
 
-from conftest import kv_config, serve_args
 from qwenserve import LLM, SamplingParams
 from qwenserve.kv_transfer.params import parse_kv_transfer_params
 
