@@ -1,0 +1,52 @@
+"""Typed Python faces of the native kernels; each library is built on first use."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from qwenserve.native.build import load_library
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class DecodeAttention:
+    """``csrc/decode_attention.cpp``: paged decode attention reading the cache in place."""
+
+    DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {}
+        for dtype, name in self.DTYPES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
+            fn.restype = None
+            self._fns[dtype] = fn
+
+    def supports(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (q.dtype in self._fns and kv_cache.dtype == q.dtype and q.device.type == "cpu"
+                and kv_cache.is_contiguous())
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 ctx_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+        """q [n, Hq, D], kv_cache [2, num_slots, Hkv, D] (contiguous), block_tables
+        [n, W] int64, ctx_lens [n] int64 -> [n, Hq, D]."""
+        q = q.contiguous()
+        tables, lens = block_tables.contiguous(), ctx_lens.contiguous()
+        assert tables.dtype == lens.dtype == torch.int64 and tables.shape[0] == q.shape[0]
+        n, hq, d = q.shape
+        hkv = kv_cache.shape[2]
+        out = torch.empty_like(q)
+        self._fns[q.dtype](out.data_ptr(), q.data_ptr(), kv_cache[0].data_ptr(),
+                           kv_cache[1].data_ptr(), tables.data_ptr(), tables.shape[1],
+                           lens.data_ptr(), n, hq, hkv, d, block_size, scale)
+        return out
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The decode-attention kernel, or None (logged) where it cannot be built."""
+    lib = load_library("qwenserve_decode_attention", [os.path.join(CSRC, "decode_attention.cpp")])
+    return None if lib is None else DecodeAttention(lib)
