@@ -5,6 +5,7 @@ random workload; and the same for vLLM when a vLLM CPU environment is given.
     python benchmarks/vs_vllm_serve.py                               # embedded SmolLM2-135M
     python benchmarks/vs_vllm_serve.py --shape qwen2.5-0.5b --dtype bfloat16 --rates inf,5
     python benchmarks/vs_vllm_serve.py --topologies process,thread   # engine process vs thread
+    python benchmarks/vs_vllm_serve.py --topologies process,dp2      # 1 vs 2 data-parallel engines
     python benchmarks/vs_vllm_serve.py --vllm-python /work/venvs/vllm/bin/python
 
 Each server is started, driven at each request rate (random dataset, ``--ignore-eos``,
@@ -96,8 +97,10 @@ def drive(client: list[str], args: argparse.Namespace, port: int, rate: str,
 def served(args: argparse.Namespace, model: str, topology: str, env: dict[str, str],
            log_dir: str) -> dict[str, dict]:
     port = free_port()
-    env = dict(env, QWENSERVE_ENABLE_MULTIPROCESSING="1" if topology == "process" else "0")
+    dp = int(topology[2:]) if topology.startswith("dp") else 1  # "dp2": two engine processes
+    env = dict(env, QWENSERVE_ENABLE_MULTIPROCESSING="0" if topology == "thread" else "1")
     cmd = [sys.executable, "-m", "qwenserve.entrypoints.cli", "serve", *engine_flags(args, model),
+           *(["--data-parallel-size", str(dp)] if dp > 1 else []),
            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
            *([] if args.log_requests else ["--disable-log-requests"])]
     proc = start_server(cmd, env, port, os.path.join(log_dir, f"qwenserve-{topology}.log"))
@@ -146,7 +149,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--rates", default="inf", help="comma-separated request rates")
-    parser.add_argument("--topologies", default="process", help="process and/or thread")
+    parser.add_argument("--topologies", default="process",
+                        help="process, thread and/or dpN (N data-parallel engine processes)")
     parser.add_argument("--log-requests", action="store_true", help="keep request logs on")
     parser.add_argument("--vllm-python", default=None, help="a vLLM CPU venv's python")
     parser.add_argument("--log-dir", default=tempfile.mkdtemp(prefix="vs-vllm-serve-"))

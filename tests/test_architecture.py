@@ -36,6 +36,8 @@ FLOORS = {
     "json_option": 0,  # one parser for JSON-object flags
     "logger": 1,
     "multimodal.config": 1,  # the image flags, resolved (plain data)
+    "kv_transfer.config": 1,  # --kv-transfer-config, parsed and checked (no torch)
+    "kv_transfer.params": 2,  # a request's kv_transfer_params (plain data)
     "config": 2,  # plain frozen configs: every floor reads them
     "options": 2,  # vLLM's JSON options, parsed and checked (no torch)
     "metrics.stats": 2,  # plain statistics: core fills them
@@ -58,7 +60,8 @@ FLOORS = {
     "quantization": 8,  # linear methods: implement layers' LinearMethod
     "models": 9,
     "worker.sampler": 9,  # the sampling steps the speculative verifier shares
-    "spec_decode": 10,  # proposers, the verifying (rejection) sampler, state roll-back
+    "spec_decode": 10,
+    "kv_transfer": 10,  # P/D disaggregation: KV blocks over TCP (the worker's agent)  # proposers, the verifying (rejection) sampler, state roll-back
     "structured_output": 10,
     "worker": 11,
     "engine": 12,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qwenserve import envs
+from qwenserve.kv_transfer.config import KVTransferConfig
 from qwenserve.multimodal.config import MultiModalConfig
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class SpeculativeConfig:
     """How drafts are proposed (``--speculative-config``, parsed in ``spec_decode/config.py``).
     ``disable_by_batch_size``: no drafts while this many or more requests run (vLLM's knob)."""
 
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "mtp" (the checkpoint's own head)
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1
@@ -139,3 +140,4 @@ class EngineConfig:
     pooler: PoolerConfig | None = None  # --runner pooling: what a request returns
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None  # the drafter (speculative method draft_model)
+    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (P/D disaggregation)

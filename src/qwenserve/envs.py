@@ -62,6 +62,12 @@ def http_header_timeout_s() -> float:
     return _number("HTTP_HEADER_TIMEOUT", None, 10.0)
 
 
+def http_body_timeout_s() -> float:
+    """A request whose body has not fully arrived this long after its headers gets a 408 and
+    its connection closes (60 s: a 32 MB body at ~0.5 MB/s)."""
+    return _number("HTTP_BODY_TIMEOUT", None, 60.0)
+
+
 def server_dev_mode() -> bool:
     """Serve the development routes (``/reset_prefix_cache``), as ``VLLM_SERVER_DEV_MODE``."""
     return _flag("SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
@@ -160,3 +166,19 @@ def native_kernels_enabled() -> bool:
     runs the pure-PyTorch kernels instead (the fallback a machine without a compiler gets)."""
     value = _get("NATIVE", None, "1") or "1"
     return value.strip().lower() not in {"0", "false", "no", "off"}
+
+
+def kv_pull_timeout_s() -> float:
+    """P/D consumer: how long a KV pull waits for the producer's answer (30 s)."""
+    return _number("KV_PULL_TIMEOUT_S", None, 30.0)
+
+
+def kv_hold_timeout_s() -> float:
+    """P/D producer: how long held KV blocks wait for a consumer before they are freed
+    (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s)."""
+    return _number("KV_HOLD_TIMEOUT_S", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0)
+
+
+def host_ip() -> str | None:
+    """This host's address as other machines reach it (``VLLM_HOST_IP``), when set."""
+    return _get("HOST_IP", "VLLM_HOST_IP")

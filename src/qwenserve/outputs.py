@@ -61,4 +61,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     pooled: list[float] | None = None  # --runner pooling: embedding or score logits
+    kv_transfer_params: dict | None = None  # P/D producer: where the prompt's KV waits
     extra: dict = field(default_factory=dict)

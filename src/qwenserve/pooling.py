@@ -14,7 +14,10 @@ A prompt is prefilled and not sampled: the request finishes with its pooled outp
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "embedding", "score", "classify", "reward")
@@ -28,7 +31,7 @@ def wants_pooling(runner: str, task: str, convert: str) -> bool:
 
 
 def pooling_kind(task: str, convert: str, architectures: list[str] | None,
-                 hf_config: Any) -> str:
+                 hf_config: PretrainedConfig) -> str:
     """embed | classify, or ValueError naming the flag for what qwenserve does not pool."""
     if "reward" in (task, convert):
         raise ValueError("--task/--convert reward (reward models such as Qwen2.5-Math-RM, "
@@ -57,7 +60,7 @@ def causal_lm_architectures(raw_config: dict) -> list[str] | None:
     return [a.replace(_SEQ_CLS, "ForCausalLM") for a in archs]
 
 
-def classifier_token_ids(tokenizer: Any, tokens: list[str]) -> tuple[int, ...]:
+def classifier_token_ids(tokenizer: PreTrainedTokenizerBase, tokens: list[str]) -> tuple[int, ...]:
     ids = []
     for token in tokens:
         token_id = tokenizer.convert_tokens_to_ids(token)

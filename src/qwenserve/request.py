@@ -14,9 +14,10 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KVS = 3  # P/D consumer: its prompt's KV is being pulled from a producer
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -65,6 +66,16 @@ class Request:
     # speculative decoding: drafts proposed after the last step, verified in the next one
     spec_token_ids: list[int] = field(default_factory=list)
     mm_inputs: MultiModalInputs | None = None  # the prompt's images, if any
+    # P/D consumer (``kv_transfer_params.do_remote_prefill``): the prompt's KV comes from a
+    # producer once; set when the pull succeeded, until the request is admitted with it.
+    kv_pull_done: bool = False
+    kv_loaded: bool = False
+    kv_transfer_out: dict | None = None  # P/D producer: the answer for the proxy
+
+    @property
+    def needs_kv_pull(self) -> bool:
+        params = self.sampling_params.kv_transfer_params
+        return params is not None and params.remote is not None and not self.kv_pull_done
 
     def block_extra_key(self, start: int, end: int) -> bytes:
         """What the prefix-cache key of the block of tokens ``[start, end)`` adds to its token

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields, replace
 
+from qwenserve.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from qwenserve.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
@@ -52,6 +53,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: max_model_len)
     allowed_token_ids: list[int] | None = None  # sample only these
     bad_words: list[str] | None = None  # never complete one of these words
+    # prefill/decode disaggregation (vLLM's request field; docs/disaggregation.md)
+    kv_transfer_params: KVTransferParams | None = None
     logit_bias: dict[int, float] | None = None  # added to the logits, as OpenAI's field
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None  # reasoning tokens before </think> is forced
@@ -71,6 +74,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.kv_transfer_params, dict):  # as the API field (or vLLM) spells it
+            self.kv_transfer_params = parse_kv_transfer_params(self.kv_transfer_params)
         self._validate()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncations cannot change the argmax.

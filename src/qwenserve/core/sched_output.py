@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qwenserve.kv_transfer.params import RemotePrefill
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.sampling_params import SamplingParams
 
@@ -46,6 +47,27 @@ class ScheduledChunk:
 
 
 @dataclass
+class KVPull:
+    """P/D consumer: fetch ``remote``'s blocks into this request's ``block_ids`` (in order),
+    in the background; the workers report the outcome in ``ModelOutput.kv_pulls_done``."""
+
+    request_id: str
+    block_ids: list[int]
+    remote: RemotePrefill
+    state_slot: int | None = None  # hybrid models: the request's slot, for the pulled state
+
+
+@dataclass
+class KVHold:
+    """P/D producer: a finished request whose blocks stay allocated until a consumer pulls
+    them (``ModelOutput.kv_sent``) or the hold times out."""
+
+    request_id: str
+    block_ids: list[int]
+    state_slot: int | None = None  # hybrid models: the recurrent state before the last token
+
+
+@dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)  # batch order
@@ -56,6 +78,11 @@ class SchedulerOutput:
     # previous step's chunk, -> a checkpoint), then restores (checkpoint -> a request's slot).
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     state_restores: list[tuple[int, int]] = field(default_factory=list)
+    # Prefill/decode disaggregation (kv_transfer/): pulls to start, holds to serve, holds
+    # whose blocks the scheduler took back (timed out) and that must no longer be served.
+    kv_pulls: list[KVPull] = field(default_factory=list)
+    kv_holds: list[KVHold] = field(default_factory=list)
+    kv_releases: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -90,6 +117,7 @@ class RequestUpdate:
     first_scheduled_time: float | None  # wall clock
     prompt_logprobs: list[SampledToken] | None = None  # with its first token, when asked for
     pooled: list[float] | None = None  # --runner pooling: the prompt's pooled output
+    kv_transfer_params: dict | None = None  # P/D producer: where its prompt's KV waits
 
     @property
     def finished(self) -> bool:
@@ -110,3 +138,7 @@ class ModelOutput:
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     # pooling runner (--runner pooling): request id -> its pooled output, instead of a sample
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Prefill/decode disaggregation: pulls that ended since the last step (request id -> None
+    # when the KV arrived, else why not), and held requests a consumer has pulled.
+    kv_pulls_done: dict[str, str | None] = field(default_factory=dict)
+    kv_sent: list[str] = field(default_factory=list)

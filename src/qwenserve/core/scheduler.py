@@ -11,6 +11,10 @@ Speculative decoding: a decode whose request has draft tokens (proposed by the w
 previous step) takes 1 + k tokens of the budget; the workers verify them in the same forward
 pass and ``update`` keeps the KV of the accepted ones only (``num_computed_tokens`` stops after
 them; the blocks stay with the request and are overwritten by the next tokens).
+
+Prefill/decode disaggregation (``remote_kv.py``): a consumer's request waits, out of both
+queues, while its prompt's KV is pulled, then is admitted with all but its last prompt token
+computed; a producer's finished request keeps its blocks until a consumer has pulled them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections import deque
 from qwenserve.config import SchedulerConfig
 from qwenserve.core.cache.manager import NO_HIT, Allocation, CacheManager
 from qwenserve.core.encoder_budget import EncoderBudget, fit_chunk
+from qwenserve.core.remote_kv import RemoteKV
 from qwenserve.core.sched_output import (
     ModelOutput,
     NewRequestData,
@@ -29,12 +34,14 @@ from qwenserve.core.sched_output import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from qwenserve.kv_transfer.config import KVTransferConfig
 from qwenserve.metrics.stats import SchedulerStats, SpecDecodingStats
 from qwenserve.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerConfig, cache: CacheManager) -> None:
+    def __init__(self, limits: SchedulerConfig, cache: CacheManager,
+                 kv_transfer: KVTransferConfig | None = None, tp_size: int = 1) -> None:
         self.limits = limits
         self.cache = cache
         self.waiting: deque[Request] = deque()
@@ -45,6 +52,8 @@ class Scheduler:
         self._spec_stats = SpecDecodingStats()  # since the last take_spec_stats()
         self.spec_totals = SpecDecodingStats()  # since start
         self._encoder_budget = EncoderBudget(limits.max_num_batched_tokens)
+        self.remote = RemoteKV(kv_transfer, cache.block_size, tp_size)
+        self._failures: list[tuple[str, str]] = []  # (request id, why): failed after admission
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -59,26 +68,40 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None or req.is_finished:
                 continue
+            req.stop_reason = stop_reason
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # The workers may still be writing its blocks: freed when the pull ends.
+                self.remote.aborted_pulls.add(request_id)
+                self._finish(req, status, free=False)
+                finished.append(req)
+                continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            req.stop_reason = stop_reason
             self._finish(req, status)
             finished.append(req)
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote.pulling)
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """Requests that failed after admission (a KV pull), with why, since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         self._encoder_budget = EncoderBudget(self.limits.max_num_batched_tokens)
+        for req in self.remote.take_expired():
+            self._release_hold(req)
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
+        self.remote.fill(out)
         now = time.time()
         for chunk in out.chunks:
             req = self.requests[chunk.request_id]
@@ -96,6 +119,8 @@ class Scheduler:
             if num_new == 0:  # its next image waits for a step with encoder budget left
                 i += 1
                 continue
+            num_new = self.remote.prefill_limit(req, req.num_computed_tokens, num_new,
+                                                self.cache.has_states)
             drafts = self._drafts(req, num_new, budget)
             num_new += len(drafts)
             alloc = self.cache.allocate(req, num_new)
@@ -112,8 +137,22 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.remote.pulling) < self.limits.max_num_seqs):
             req = self.waiting[0]
+            if req.needs_kv_pull:
+                if not self._start_pull(req):
+                    break
+                continue
+            if req.kv_loaded:  # its prompt's KV arrived: compute the last prompt token
+                alloc = self.cache.allocate(req, 1)
+                if alloc is None:
+                    break
+                self.waiting.popleft()
+                req.kv_loaded = False
+                self._admit(out, req, alloc, list(self.cache.block_ids(req.request_id)))
+                budget -= alloc.num_tokens
+                continue
             # Prompt logprobs need every prompt position computed: no prefix-cache hit (vLLM's
             # rule too). The blocks it computes are still cached for others.
             hit = (NO_HIT if req.sampling_params.prompt_logprobs is not None
@@ -121,6 +160,8 @@ class Scheduler:
             num_new = self._fit_encoder(req, hit.num_tokens,
                                         min(req.num_tokens - hit.num_tokens, budget),
                                         first_chunk=True)
+            num_new = self.remote.prefill_limit(req, hit.num_tokens, num_new,
+                                                self.cache.has_states)
             alloc = self.cache.allocate(req, num_new, hit) if num_new else None
             if alloc is None:
                 break  # FCFS: later requests wait behind this one
@@ -128,19 +169,67 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             req.num_computed_tokens = hit.num_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.new_requests.append(NewRequestData(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=list(req.output_token_ids),
-                sampling_params=req.sampling_params,
-                block_ids=list(alloc.new_block_ids),
-                state_slot=alloc.state_slot,
-                mm_inputs=req.mm_inputs,
-            ))
-            self._add_chunk(out, req, alloc, new_request=True)
+            self._admit(out, req, alloc, list(alloc.new_block_ids))
             budget -= alloc.num_tokens
+
+    def _admit(self, out: SchedulerOutput, req: Request, alloc: Allocation,
+               block_ids: list[int]) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.new_requests.append(NewRequestData(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=req.sampling_params,
+            block_ids=block_ids,
+            state_slot=alloc.state_slot,
+            mm_inputs=req.mm_inputs,
+        ))
+        self._add_chunk(out, req, alloc, new_request=True)
+
+    def _start_pull(self, req: Request) -> bool:
+        """P/D consumer: blocks for the whole prompt, then the workers pull its KV into them.
+        False when the cache has no room (FCFS: later requests wait behind it)."""
+        problem = self.remote.pull_problem(req, self.cache.has_states)
+        if problem is not None:
+            self.waiting.popleft()
+            self._fail(req, problem)
+            return True
+        alloc = self.cache.allocate(req, req.num_prompt_tokens, exact=True)
+        if alloc is None:
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.first_scheduled_time = req.first_scheduled_time or time.time()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = 0
+        self.remote.start_pull(req, alloc.new_block_ids, alloc.state_slot)
+        return True
+
+    def _pull_ended(self, request_id: str, error: str | None) -> None:
+        req = self.remote.pulling.pop(request_id, None)
+        if req is None:
+            return
+        if request_id in self.remote.aborted_pulls:  # already finished: free its blocks now
+            self.remote.aborted_pulls.discard(request_id)
+            self.cache.free(req)
+            return
+        if error is None:  # the prompt's KV is here; its last token is recomputed for logits
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            req.kv_loaded = True
+            self.cache.cache_full_blocks(req)
+        elif self.remote.config is not None and self.remote.config.failure_policy == "recompute":
+            self.cache.free(req)  # prefill it here instead
+        else:
+            req.status = RequestStatus.WAITING  # _fail frees it as a waiting request
+            self._fail(req, f"KV transfer failed: {error}")
+            return
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _fail(self, req: Request, why: str) -> None:
+        self._failures.append((req.request_id, why))
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def _fit_encoder(self, req: Request, start: int, num_new: int, first_chunk: bool) -> int:
         """Cut the chunk before an image the step's encoder budget cannot take (text: as is).
@@ -158,8 +247,18 @@ class Scheduler:
         out.state_restores += alloc.state_restores
         drafts = (drafts or [])[: alloc.num_tokens - 1]
         # A new request's blocks travel in its NewRequestData; a running one's as an increment.
-        out.chunks.append(self._chunk(req, alloc.num_tokens,
-                                      [] if new_request else alloc.new_block_ids, drafts))
+        chunk = self._chunk(req, alloc.num_tokens, [] if new_request else alloc.new_block_ids,
+                            drafts)
+        out.chunks.append(chunk)
+        if (chunk.sample and req.max_tokens - req.num_output_tokens <= 1
+                and self.remote.wants_hold(req)):  # this step ends it: its blocks are held
+            state_slot = None
+            if self.cache.has_states and req.num_output_tokens == 0:
+                # The state before the last prompt token, copied before this step runs.
+                state_slot = self.cache.hold_state(req.request_id)
+                if state_slot is not None:
+                    out.state_saves.append((alloc.state_slot, state_slot))
+            self.remote.register(req, self.cache.block_ids(req.request_id), state_slot)
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens to verify in this step's decode: at most what the budget,
@@ -198,6 +297,10 @@ class Scheduler:
 
     # ---- after the forward pass ---------------------------------------------------------------
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[RequestUpdate]:
+        for req in self.remote.take_sent(model_out.kv_sent):
+            self._release_hold(req)
+        for request_id, error in model_out.kv_pulls_done.items():
+            self._pull_ended(request_id, error)
         updates = []
         for chunk in sched_out.chunks:
             req = self.requests.get(chunk.request_id)
@@ -241,7 +344,7 @@ class Scheduler:
             self.cache.cache_full_blocks(req)
         if status is not None:
             self.running.remove(req)
-            self._finish(req, status)
+            self._finish(req, status, hold=True)
         else:
             req.spec_token_ids = model_out.draft_token_ids.get(req.request_id, [])
         updates.append(_update(req, token))
@@ -257,10 +360,22 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, hold: bool = False,
+                free: bool = True) -> None:
+        """``hold``: a P/D producer's request keeps its blocks for the consumer to pull."""
         req.status = status
-        self.cache.free(req)
+        if hold and self.remote.wants_hold(req):
+            self.remote.hold(req, self.cache.block_ids(req.request_id))
+        elif free:
+            self.remote.unregister(req.request_id)
+            self._release_hold(req)
         del self.requests[req.request_id]
+
+    def _release_hold(self, req: Request) -> None:
+        """Free a request's blocks and slot (and a P/D producer's held state copy)."""
+        self.cache.free(req)
+        if self.remote.state_slots.pop(req.request_id, None) is not None:
+            self.cache.release_held_state(req.request_id)
         self._finished_ids.append(req.request_id)
 
     # ---- observation --------------------------------------------------------------------------
@@ -274,7 +389,9 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            # a P/D consumer's request waiting for its KV counts as waiting, as in vLLM
+            num_waiting=len(self.waiting) + len(self.remote.pulling)
+            - len(self.remote.aborted_pulls),
             kv_cache_usage=self.cache.usage(),
             prefix_cache_queries=self.cache.stats.queries,
             prefix_cache_hits=self.cache.stats.hits,
@@ -297,6 +414,7 @@ def _update(req: Request, token: SampledToken | None,
         prompt_logprobs=list(req.prompt_logprobs)
         if first and req.sampling_params.prompt_logprobs is not None else None,
         pooled=pooled,
+        kv_transfer_params=req.kv_transfer_out,
     )
 
 

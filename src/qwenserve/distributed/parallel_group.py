@@ -54,6 +54,16 @@ class ParallelGroup:
         dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, over the CPU group."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def shard(self, size: int, what: str) -> int:
         """``size // world_size``, or an error that says what does not divide."""
         if size % self.world_size:

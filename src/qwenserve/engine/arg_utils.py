@@ -22,6 +22,7 @@ from qwenserve.config import (
     PoolerConfig,
     SchedulerConfig,
 )
+from qwenserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from qwenserve.multimodal.config import (
     MultiModalConfig,
     parse_json_option,
@@ -30,7 +31,7 @@ from qwenserve.multimodal.config import (
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
-from qwenserve.spec_decode.config import parse_speculative_config
+from qwenserve.spec_decode.config import mtp_num_layers, parse_speculative_config
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -57,6 +58,16 @@ def human_readable_int(value: str) -> int:
             f"{value!r} is not a size: use an integer, optionally with k/m/g (1000s) or "
             "K/M/G (1024s), e.g. 4096, 32k, 8G"
         ) from e
+
+
+def kv_transfer_config_arg(value: str) -> dict:
+    """``--kv-transfer-config``: checked when parsed, so a bad key fails before loading."""
+    parsed = json_object(value)
+    try:
+        parse_kv_transfer_config(parsed)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return parsed
 
 
 def json_object(value: str) -> dict:
@@ -177,6 +188,11 @@ class EngineArgs:
         "Speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
         "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": PATH, "
         "\"num_speculative_tokens\": 3} (docs/spec_decode.md).", group="SpeculativeConfig")
+    kv_transfer_config: Any = _opt(
+        "Prefill/decode disaggregation, as vLLM's JSON: {\"kv_connector\": "
+        "\"MooncakeConnectorV1\", \"kv_role\": \"kv_producer\"|\"kv_consumer\", \"kv_port\": "
+        "30000, \"engine_id\": \"0\"}. KV blocks travel over TCP (docs/disaggregation.md).",
+        group="KVTransferConfig", type=kv_transfer_config_arg)
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -251,7 +267,9 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
-        speculative = parse_speculative_config(self.speculative_config)
+        speculative = parse_speculative_config(self.speculative_config,
+                                               mtp_num_layers(model_config.hf_config))
+        kv_transfer = self._kv_transfer_config()
         draft_model = None
         if speculative is not None and speculative.model:  # the drafter, in the target's dtype
             draft_model = EngineArgs(model=speculative.model, dtype=model_config.dtype,
@@ -290,7 +308,38 @@ class EngineArgs:
             speculative=speculative,
             draft_model=draft_model,
             multimodal=self._multimodal_config(),
+            kv_transfer=kv_transfer,
         )
+
+    def for_data_parallel_rank(self, rank: int) -> EngineArgs:
+        """This replica's options: under ``--kv-transfer-config`` its ranks serve KV on
+        ``kv_port + rank * tp + tp_rank`` (vLLM Ascend's layout), so replicas never collide."""
+        config = parse_kv_transfer_config(self.kv_transfer_config)
+        if config is None or not rank:
+            return self
+        port = config.kv_port + rank * max(self.tensor_parallel_size, 1)
+        return dataclasses.replace(self, kv_transfer_config={**self.kv_transfer_config,
+                                                             "kv_port": port})
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        """``--kv-transfer-config``, with what qwenserve's transfer cannot serve yet refused."""
+        from qwenserve.pooling import wants_pooling
+
+        config = parse_kv_transfer_config(self.kv_transfer_config)
+        if config is None:
+            return None
+        if wants_pooling(self.runner, self.task, self.convert):
+            raise ValueError("--kv-transfer-config serves text generation; a pooling model "
+                             "(--runner pooling) has no decode phase to disaggregate")
+        own = [("prefill", config.prefill)] if config.is_producer else []
+        own += [("decode", config.decode)] if config.is_consumer else []
+        for name, side in own:  # the other side's size is checked per request
+            if side is not None and side.tp_size != self.tensor_parallel_size:
+                raise ValueError(
+                    f"--kv-transfer-config: kv_connector_extra_config.{name}.tp_size is "
+                    f"{side.tp_size}, but this {config.role} runs --tensor-parallel-size "
+                    f"{self.tensor_parallel_size}; make them agree")
+        return config
 
     def _multimodal_config(self) -> MultiModalConfig:
         """The image flags, each checked here so that a bad one fails at start-up."""
@@ -354,6 +403,9 @@ def log_option_notes(args: EngineArgs, platform_name: str) -> None:
         logger.info(note)
     for note in warnings:
         logger.warning(note)
+    kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)
+    for note in kv_transfer.startup_notes() if kv_transfer is not None else []:
+        logger.info(note)
     if args.async_scheduling:
         logger.info("--async-scheduling: no effect yet: qwenserve schedules step N+1 after "
                     "step N returns (see docs/serving.md for the measurement behind this)")

@@ -19,7 +19,7 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve import envs
 from qwenserve.config import EngineConfig
@@ -33,6 +33,7 @@ from qwenserve.engine.core_messages import (
     UtilityCall,
 )
 from qwenserve.engine.core_thread import ThreadCoreClient
+from qwenserve.engine.dp_config import DataParallelConfig
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.logger import init_logger
 from qwenserve.metrics.stats import EngineStats, IterationStats
@@ -40,9 +41,17 @@ from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import CompletionOutput, RequestOutput
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = init_logger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
+
+
+class RequestFailedError(RuntimeError):
+    """A request the engine accepted could not be completed (a P/D consumer's KV pull failed);
+    the engine itself is fine."""
 
 _Item = RequestOutput | BaseException
 
@@ -57,18 +66,27 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self.dead_error: EngineDeadError | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._last_stats: EngineStats | None = None
+        self._last_stats: dict[int, EngineStats] = {}  # by engine (data-parallel rank)
         core.start(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[Any] | None = None,
-                         multiprocess: bool | None = None) -> AsyncEngine:
+                         multiprocess: bool | None = None,
+                         data_parallel: DataParallelConfig | None = None) -> AsyncEngine:
         """The engine core in its own process unless ``multiprocess`` is False (default: the
-        ``QWENSERVE_ENABLE_MULTIPROCESSING`` setting)."""
+        ``QWENSERVE_ENABLE_MULTIPROCESSING`` setting); with ``data_parallel`` over one rank,
+        one process per local rank behind ``DPCoreClient``."""
         if multiprocess is None:
             multiprocess = envs.enable_multiprocessing()
         core: CoreClient
-        if multiprocess:
+        if data_parallel is not None and data_parallel.size > 1:
+            if not multiprocess:
+                raise ValueError("data parallelism runs each engine in its own process: unset "
+                                 "QWENSERVE_ENABLE_MULTIPROCESSING=0")
+            from qwenserve.engine.dp_client import start_dp_client
+
+            core = start_dp_client(args, data_parallel)
+        elif multiprocess:
             core = ProcCoreClient(args)
         else:
             core = ThreadCoreClient(LLMEngine.from_engine_args(args))
@@ -93,7 +111,12 @@ class AsyncEngine:
 
     @property
     def multiprocess(self) -> bool:
-        return isinstance(self.core, ProcCoreClient)
+        return not isinstance(self.core, ThreadCoreClient)
+
+    @property
+    def engine_indexes(self) -> tuple[int, ...]:
+        """The engines' ``engine`` labels: their data-parallel ranks (``(0,)`` with one)."""
+        return self.core.engine_indexes
 
     @property
     def engine(self) -> LLMEngine:
@@ -103,7 +126,7 @@ class AsyncEngine:
                                "QWENSERVE_ENABLE_MULTIPROCESSING=0 to reach it in-process")
         return self.core.engine
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.core.tokenizer
 
     @property
@@ -203,6 +226,11 @@ class AsyncEngine:
                 target = self._queues.get(request_id)
                 if target is not None:
                     batches.setdefault(target[0], []).append((target[1], ValueError(message)))
+            for request_id, message in step.failures:
+                target = self._queues.get(request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append(
+                        (target[1], RequestFailedError(message)))
             settled = [(self._calls.pop(r.call_id, None), r.ok, r.value) for r in step.results]
         for loop, items in batches.items():
             _call_soon(loop, _put_all, items)
@@ -228,15 +256,17 @@ class AsyncEngine:
             _call_soon(loop, out_queue.put_nowait, error)
         for loop, future in calls:
             _call_soon(loop, _settle, future, False, error)
-        last = self._last_stats
-        self._record(EngineStats(0, 0, 0.0, last.prefix_cache_queries if last else 0,
-                                 last.prefix_cache_hits if last else 0,
-                                 last.num_preemptions if last else 0, IterationStats()))
+        for index in self.engine_indexes:
+            last = self._last_stats.get(index)
+            self._record(EngineStats(0, 0, 0.0, last.prefix_cache_queries if last else 0,
+                                     last.prefix_cache_hits if last else 0,
+                                     last.num_preemptions if last else 0, IterationStats(),
+                                     index))
         for fn in callbacks:
             fn(error)
 
     def _record(self, stats: EngineStats) -> None:
-        self._last_stats = stats
+        self._last_stats[stats.engine_index] = stats
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
 

@@ -84,9 +84,13 @@ class EngineCore:
         last requests freed blocks and no step will report it). Returns what to send."""
         if self.engine.has_unfinished_requests():
             self._pending.outputs.extend(self.engine.step())
+        elif self.engine.has_kv_holds():  # registers new holds, frees pulled ones
+            self._pending.outputs.extend(self.engine.step())
+            self._idle_reported = True  # no busy loop: the next look comes with a command or 1 s
         elif not self._idle_reported:
             self.engine.record_idle_stats()
             self._idle_reported = True
+        self._pending.failures.extend(self.engine.take_failures())
         out, self._pending = self._pending, StepOutputs()
         out.stats.extend(self._collector.stats)
         self._collector.stats.clear()

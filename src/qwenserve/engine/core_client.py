@@ -11,6 +11,7 @@ exits as soon as the API process dies (``rank_process.DriverLink``).
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import signal
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -35,6 +36,9 @@ from qwenserve.engine.core_messages import (
 from qwenserve.engine.rank_process import send_message
 from qwenserve.engine.request_checks import RequestChecks
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -56,7 +60,10 @@ class OutputSink(Protocol):
 class CoreClient(Protocol):
     ready: EngineReady
     checks: RequestChecks
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def engine_indexes(self) -> tuple[int, ...]: ...  # the engines' data-parallel ranks
 
     def start(self, sink: OutputSink) -> None: ...
 
@@ -68,7 +75,12 @@ class CoreClient(Protocol):
 class ProcCoreClient:
     """Start the engine process, wait until it has loaded the model, then relay."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    engine_indexes: tuple[int, ...] = (0,)
+
+    def __init__(self, engine_args: EngineArgs, omp_threads_bind: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """``omp_threads_bind`` and ``env`` (added to the engine process's environment) give a
+        data-parallel replica its own cores and devices (``dp_client.py``)."""
         from qwenserve.engine.core_proc import CoreProcArguments
         from qwenserve.models.tokenizer import load_tokenizer
 
@@ -86,15 +98,17 @@ class ProcCoreClient:
         self._closing = False
         self._threads: list[threading.Thread] = []
         self._proc = subprocess.Popen([sys.executable, "-m", "qwenserve.engine.core_proc"],
-                                      stdin=subprocess.PIPE)
+                                      stdin=subprocess.PIPE,
+                                      env={**os.environ, **env} if env else None)
         # The tokenizer's imports (transformers) load here while the engine loads the model.
         threading.Thread(target=_import_tokenizer_modules, daemon=True).start()
         try:
             send_message(self._proc, CoreProcArguments(engine_args, input_address,
                                                        output_address,
-                                                       envs.cpu_omp_threads_bind()))
+                                                       omp_threads_bind
+                                                       or envs.cpu_omp_threads_bind()))
             self.ready = self._wait_ready(envs.engine_ready_timeout_s())
-            self.tokenizer: Any = load_tokenizer(self.ready.config.model)
+            self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.ready.config.model)
         except BaseException:
             self._close(kill=True)
             raise

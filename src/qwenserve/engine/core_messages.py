@@ -63,10 +63,11 @@ class StepOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     stats: list[EngineStats] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (request id, why refused)
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (request id, why failed)
     results: list[UtilityResult] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.outputs or self.stats or self.errors or self.results)
+        return bool(self.outputs or self.stats or self.errors or self.failures or self.results)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.engine.core import EngineCore
 from qwenserve.engine.core_client import OutputSink
@@ -16,16 +16,21 @@ from qwenserve.engine.core_messages import Command, Shutdown
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.logger import init_logger
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = init_logger(__name__)
 
 
 class ThreadCoreClient:
+    engine_indexes: tuple[int, ...] = (0,)
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._core = EngineCore(engine)
         self.ready = self._core.ready_message()
         self.checks = engine.checks
-        self.tokenizer: Any = engine.tokenizer
+        self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 

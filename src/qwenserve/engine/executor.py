@@ -42,7 +42,8 @@ class UniprocExecutor:
         return self.worker.platform.describe(self.worker.device)
 
     def shutdown(self) -> None:
-        """Nothing to stop in-process."""
+        """Only the KV-transfer threads to stop in-process."""
+        self.worker.close()
 
 
 def make_executor(config: EngineConfig, platform: Platform

@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
-from qwenserve import platforms
+from qwenserve import envs, platforms
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.manager import CacheManager
 from qwenserve.core.scheduler import Scheduler
@@ -26,9 +26,12 @@ from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode.config import mtp_lookahead_tokens
 from qwenserve.structured_output.service import GrammarService
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
@@ -48,8 +51,13 @@ class LLMEngine:
         self.plan = self.executor.plan_cache()
         self.executor.init_cache(self.plan)
         self.cache = CacheManager(self.plan.num_blocks, config.cache.block_size,
-                                  config.cache.enable_prefix_caching, self.plan.num_state_slots)
-        self.scheduler = Scheduler(config.scheduler, self.cache)
+                                  config.cache.enable_prefix_caching, self.plan.num_state_slots,
+                                  mtp_lookahead_tokens(config.speculative),
+                                  config.scheduler.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.cache, config.kv_transfer,
+                                   config.parallel.tensor_parallel_size)
+        self.scheduler.remote.hold_timeout_s = envs.kv_hold_timeout_s()
+        self._failures: list[tuple[str, str]] = []  # (request id, why) since the last take
         self.outputs = OutputProcessor(self.tokenizer)
         self.checks = RequestChecks(config, self.tokenizer)
         self.image_inputs = ImageInputs.for_engine(config, self.tokenizer)
@@ -171,9 +179,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._awaiting_grammar)
 
+    def has_kv_holds(self) -> bool:
+        """P/D producer: finished requests' blocks wait for a consumer; a step frees those
+        pulled (or timed out) since the last one."""
+        return bool(self.scheduler.remote.held)
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """Requests that failed after they were accepted (a KV pull), with why."""
+        failures, self._failures = self._failures, []
+        return failures
+
     def get_num_unfinished_requests(self) -> int:
         waiting_grammar = sum(len(children) for _, _, children in self._awaiting_grammar)
-        return len(self.scheduler.waiting) + len(self.scheduler.running) + waiting_grammar
+        pulling = len(self.scheduler.remote.pulling) - len(self.scheduler.remote.aborted_pulls)
+        return (len(self.scheduler.waiting) + len(self.scheduler.running) + pulling
+                + waiting_grammar)
 
     def _admit_compiled(self) -> None:
         """Hand requests whose grammar is ready to the scheduler. With nothing else to run, wait
@@ -201,6 +221,10 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         model_out = self.executor.execute(sched_out)
         updates = self.scheduler.update(sched_out, model_out)
+        for request_id, why in self.scheduler.take_failures():  # n == 1: child id == its id
+            logger.error("Request %s failed: %s", request_id, why)
+            self.outputs.abort(request_id)
+            self._failures.append((request_id, why))
         stats = IterationStats(num_scheduled_tokens=sched_out.num_scheduled_tokens,
                                spec_decoding=self.scheduler.take_spec_stats())
         outputs, stopped = self.outputs.process(updates, stats)
@@ -230,7 +254,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.cache.reset_prefix_cache()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
 
     def shutdown(self) -> None:

@@ -258,4 +258,7 @@ class MultiprocExecutor:
         return f"{desc} x {self.config.parallel.tensor_parallel_size} ranks"
 
     def shutdown(self) -> None:
+        worker = getattr(self, "worker", None)  # absent when start-up failed before it
+        if worker is not None:
+            worker.close()  # the driver's KV-transfer threads (--kv-transfer-config)
         self._finalizer()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.core.sched_output import RequestUpdate, SampledToken
 from qwenserve.engine.detokenizer import IncrementalDetokenizer
@@ -22,6 +22,9 @@ from qwenserve.outputs import (
     RequestOutput,
 )
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -51,6 +54,7 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None  # once the prompt has been scored
     prompt_logprobs_sent: bool = False
     pooled: list[float] | None = None  # pooling runner
+    kv_transfer_params: dict | None = None  # P/D producer's answer, with its last output
 
     @property
     def finished(self) -> bool:
@@ -62,7 +66,7 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
@@ -110,6 +114,8 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, comp: _Completion, update: RequestUpdate,
                now: float, stats: IterationStats) -> str | None:
         token = update.new_token
+        if update.kv_transfer_params is not None:
+            state.kv_transfer_params = update.kv_transfer_params
         if token is None:  # a pooling request: its prompt was all the work
             state.pooled = update.pooled
             state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
@@ -196,6 +202,7 @@ class OutputProcessor:
             request_id=parent_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
             pooled=state.pooled,
+            kv_transfer_params=state.kv_transfer_params if finished else None,
             num_cached_tokens=state.num_cached_tokens,
             metrics=RequestMetrics(arrival_time=state.arrival_wall))
 

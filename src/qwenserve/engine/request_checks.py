@@ -6,12 +6,15 @@ bad request is a 400 at once; the engine runs them again when it adds the reques
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.config import EngineConfig
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.structured_output.service import GrammarService, model_grammar_service
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class PromptTooLongError(ValueError):
@@ -19,7 +22,7 @@ class PromptTooLongError(ValueError):
 
 
 class RequestChecks:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._grammars: GrammarService | None = None
@@ -49,8 +52,30 @@ class RequestChecks:
             if bad:
                 raise ValueError(f"{name} has out-of-vocabulary token id {bad[0]} (the "
                                  f"vocabulary has {vocab} tokens)")
+        self.check_kv_transfer(params)
         if compile_grammar and params.structured_outputs is not None:
             self.grammar_service().compile(params.structured_outputs.to_spec())
+
+    def check_kv_transfer(self, params: SamplingParams) -> None:
+        """``kv_transfer_params`` only where ``--kv-transfer-config`` gives this role."""
+        kv = params.kv_transfer_params
+        if kv is None:
+            return
+        config = self.config.kv_transfer
+        if config is None:
+            raise ValueError("kv_transfer_params needs a server started with "
+                             "--kv-transfer-config (prefill/decode disaggregation)")
+        if kv.do_remote_decode and not config.is_producer:
+            raise ValueError(f"kv_transfer_params.do_remote_decode: this server is a "
+                             f"{config.role}; send prefill requests to a kv_producer")
+        if kv.remote is not None and not config.is_consumer:
+            raise ValueError(f"kv_transfer_params.do_remote_prefill: this server is a "
+                             f"{config.role}; send decode requests to a kv_consumer")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params with n > 1 is not implemented yet")
+        if params.prompt_logprobs is not None and kv.remote is not None:
+            raise ValueError("prompt_logprobs cannot be computed on a decode instance (the "
+                             "prompt was prefilled elsewhere); ask the prefill instance")
 
     @property
     def takes_images(self) -> bool:
@@ -71,6 +96,8 @@ class RequestChecks:
         if params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut "
                              "an image's tokens)")
+        if params.kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params with images is not implemented yet")
 
     def images_refused_reason(self) -> str:
         return images_refused_reason(self.config)

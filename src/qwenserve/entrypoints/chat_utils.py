@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class ChatTemplateError(ValueError):
@@ -29,7 +32,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def apply_chat_template(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
@@ -52,7 +55,7 @@ def apply_chat_template(
 
 
 def render_chat(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,

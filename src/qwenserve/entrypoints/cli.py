@@ -14,6 +14,8 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("qwenserve.entrypoints.openai.api_server", "Start the OpenAI-compatible API server"),
+    "disagg-proxy": ("qwenserve.entrypoints.disagg_proxy",
+                     "Prefill/decode proxy in front of kv_producer and kv_consumer servers"),
     "chat": ("qwenserve.entrypoints.chat", "Chat with a model in the terminal (offline)"),
     "bench": ("qwenserve.tools.bench.cli", "Benchmark: serve | throughput | latency"),
     "plan": ("qwenserve.tools.plan.cli", "Will a model fit? Memory plan and the flags to use"),

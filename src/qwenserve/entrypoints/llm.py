@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.llm_engine import LLMEngine
@@ -19,6 +19,9 @@ from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
 from qwenserve.pooling import pooling_params
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PromptType = str | dict | list[int]
 
@@ -41,7 +44,7 @@ class LLM:
         self._counter = itertools.count()
         self._connector: MediaConnector | None = None
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.llm_engine.get_tokenizer()
 
     def generate(

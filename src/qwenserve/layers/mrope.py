@@ -17,11 +17,14 @@ positions, or three equal rows) gives exactly plain RoPE.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from qwenserve.layers.rotary import RotaryEmbedding, rope_parameters
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def mrope_layout(rope_params: dict, default_interleaved: bool) -> tuple[list[int], bool]:
@@ -62,7 +65,7 @@ class MRotaryEmbedding(RotaryEmbedding):
     rotates the first ``rotary_dim`` dims of each head (Qwen3.5 rotates a quarter).
     """
 
-    def __init__(self, config: Any, head_dim: int, rotary_dim: int, max_position: int,
+    def __init__(self, config: PretrainedConfig, head_dim: int, rotary_dim: int, max_position: int,
                  section: Sequence[int], interleaved: bool) -> None:
         rope_type, _ = rope_parameters(config)
         if rope_type != "default":

@@ -6,15 +6,18 @@ cos/sin are precomputed once for every position in fp32 exactly as HF computes t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(config: Any) -> tuple[str, float]:
+def rope_parameters(config: PretrainedConfig) -> tuple[str, float]:
     """(rope_type, rope_theta) from a v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
@@ -23,7 +26,7 @@ def rope_parameters(config: Any) -> tuple[str, float]:
     return rope_type or "default", float(theta if theta is not None else 10000.0)
 
 
-def _inv_freq(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
+def _inv_freq(config: PretrainedConfig, rotary_dim: int) -> tuple[torch.Tensor, float]:
     rope_type, theta = rope_parameters(config)
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: "
@@ -40,7 +43,7 @@ def _inv_freq(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: Any, head_dim: int, rotary_dim: int, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, rotary_dim: int, max_position: int) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         inv_freq, scaling = _inv_freq(config, rotary_dim)

@@ -11,9 +11,23 @@ logger = init_logger("qwenserve.engine")
 
 
 class LoggingStatLogger:
-    """Logs throughput, queue and cache figures every ``interval_s`` while the engine works."""
+    """Logs one line per engine (data-parallel rank) every ``interval_s`` while it works."""
 
     def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._engines: dict[int, _EngineLogger] = {}
+
+    def record(self, stats: EngineStats) -> None:
+        engine = self._engines.get(stats.engine_index)
+        if engine is None:
+            engine = self._engines[stats.engine_index] = _EngineLogger(self.interval_s)
+        engine.record(stats)
+
+
+class _EngineLogger:
+    """One engine's figures since its last line."""
+
+    def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._last = time.monotonic()
         self._prompt_tokens = 0
@@ -33,10 +47,10 @@ class LoggingStatLogger:
         queries = stats.prefix_cache_queries - self._last_queries
         hits = stats.prefix_cache_hits - self._last_hits
         logger.info(
-            "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
+            "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
             "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, Preemptions: %d, "
             "KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
+            stats.engine_index, self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
             stats.num_running, stats.num_waiting, stats.num_preemptions,
             stats.kv_cache_usage * 100, 100.0 * hits / queries if queries else 0.0)
         if stats.iteration.spec_decoding is not None:

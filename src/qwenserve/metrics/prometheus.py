@@ -2,8 +2,8 @@
 
 An existing vLLM Grafana dashboard or alert rule must work unchanged, so every metric here is
 named as vLLM's V1 ``PrometheusStatLogger`` names it and carries the labels ``model_name`` (the
-first served name) and ``engine`` ("0"). Counters are declared without ``_total``;
-``prometheus_client`` adds it when exposing them. ``EXPORTED_METRICS`` lists the exposed names
+first served name) and ``engine`` (the data-parallel rank: "0" with one engine). Counters are
+declared without ``_total``; ``prometheus_client`` adds it when exposing them. ``EXPORTED_METRICS`` lists the exposed names
 (what a PromQL query uses) for the dashboard generator and the tests.
 
 Each server owns a ``CollectorRegistry`` (never the global one), so several servers can live in
@@ -280,26 +280,21 @@ def _make(spec: MetricSpec, registry: Any, max_model_len: int) -> Any:
 
 
 class PrometheusStatLogger:
-    """Turns ``EngineStats`` into the ``vllm:*`` series of one registry."""
+    """Turns ``EngineStats`` into the ``vllm:*`` series of one registry: one series per engine
+    (data-parallel rank, the ``engine`` label), as vLLM labels them; a dashboard sums them."""
 
     def __init__(
         self, registry: Any, model_name: str, max_model_len: int, show_hidden: bool = False,
-        speculative: bool = False,
+        speculative: bool = False, engine_indexes: tuple[int, ...] = (0,),
     ) -> None:
         self.registry = registry
-        labels = {"model_name": model_name, "engine": "0"}
-        self._m: dict[str, Any] = {}
+        self.model_name = model_name
+        self._families: dict[str, Any] = {}
         for spec in METRICS + (SPEC_DECODE_METRICS if speculative else ()):
             if spec.hidden and not show_hidden:
                 continue
-            metric = _make(spec, registry, max_model_len)
-            self._m[spec.name] = metric if spec.extra_labels else metric.labels(**labels)
-        self._labels = labels
-        self._success = {
-            reason: self._m["vllm:request_success"].labels(finished_reason=reason, **labels)
-            for reason in FINISH_REASONS
-        }
-        self._last_queries = self._last_hits = self._last_preemptions = 0
+            self._families[spec.name] = _make(spec, registry, max_model_len)
+        self._engines = {i: _EngineSeries(self._families, model_name, i) for i in engine_indexes}
 
     def log_cache_config(
         self,
@@ -309,16 +304,43 @@ class PrometheusStatLogger:
         num_blocks: int,
         memory_bytes: int,
     ) -> None:
-        """The info gauge (value 1) whose labels describe the KV cache."""
-        self._m["vllm:cache_config_info"].labels(
-            block_size=str(block_size),
-            enable_prefix_caching=str(enable_prefix_caching),
-            gpu_memory_utilization=str(gpu_memory_utilization),
-            num_gpu_blocks=str(num_blocks),
-            kv_cache_size_tokens=str(num_blocks * block_size),
-            kv_cache_memory_bytes=str(memory_bytes),
-            **self._labels,
-        ).set(1)
+        """The info gauge (value 1) whose labels describe the KV cache (of each engine)."""
+        for engine in self._engines.values():
+            self._families["vllm:cache_config_info"].labels(
+                block_size=str(block_size),
+                enable_prefix_caching=str(enable_prefix_caching),
+                gpu_memory_utilization=str(gpu_memory_utilization),
+                num_gpu_blocks=str(num_blocks),
+                kv_cache_size_tokens=str(num_blocks * block_size),
+                kv_cache_memory_bytes=str(memory_bytes),
+                **engine.labels,
+            ).set(1)
+
+    def record(self, stats: EngineStats) -> None:
+        engine = self._engines.get(stats.engine_index)
+        if engine is None:
+            engine = self._engines[stats.engine_index] = _EngineSeries(
+                self._families, self.model_name, stats.engine_index)
+        engine.record(stats)
+
+
+class _EngineSeries:
+    """One engine's labelled children of every metric family."""
+
+    def __init__(self, families: dict[str, Any], model_name: str, engine_index: int) -> None:
+        labels = {"model_name": model_name, "engine": str(engine_index)}
+        self.labels = labels
+        self._families = families
+        self._m: dict[str, Any] = {
+            name: family.labels(**labels) for name, family in families.items()
+            if name not in ("vllm:request_success", "vllm:cache_config_info",
+                            "vllm:spec_decode_num_accepted_tokens_per_pos")
+        }
+        self._success = {
+            reason: families["vllm:request_success"].labels(finished_reason=reason, **labels)
+            for reason in FINISH_REASONS
+        }
+        self._last_queries = self._last_hits = self._last_preemptions = 0
 
     def record(self, stats: EngineStats) -> None:
         m = self._m
@@ -349,9 +371,9 @@ class PrometheusStatLogger:
         m["vllm:spec_decode_num_drafts"].inc(spec.num_drafts)
         m["vllm:spec_decode_num_draft_tokens"].inc(spec.num_draft_tokens)
         m["vllm:spec_decode_num_accepted_tokens"].inc(spec.num_accepted_tokens)
-        per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+        per_pos = self._families["vllm:spec_decode_num_accepted_tokens_per_pos"]
         for position, count in enumerate(spec.num_accepted_tokens_per_pos):
-            per_pos.labels(position=str(position), **self._labels).inc(count)
+            per_pos.labels(position=str(position), **self.labels).inc(count)
 
     def _record_cumulative(self, stats: EngineStats) -> None:
         """The engine reports these as running totals; counters take the increase. A total that

@@ -78,6 +78,8 @@ class SchedulerStats:
 
 @dataclass
 class EngineStats(SchedulerStats):
-    """What the stat loggers receive each step: the scheduler's figures and the step's."""
+    """What the stat loggers receive each step: the scheduler's figures and the step's.
+    ``engine_index``: the data-parallel rank that produced them (vLLM's ``engine`` label)."""
 
     iteration: IterationStats
+    engine_index: int = 0

@@ -1,28 +1,31 @@
-"""What every model provides, and the shared weight-loading loop.
+"""What every model provides (``CausalLM``, ``ModelClass``), and the shared weight-loading loop.
 
 A model is built from a ``ModelContext`` (config, dtype, parallel group, backends) and exposes
 ``forward(input_ids, positions, batch, caches: ModelCaches) -> hidden``, ``compute_logits(hidden)``,
 ``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes,
-ssm_dtype_bytes)``.
+ssm_dtype_bytes)``. The worker sees a model only through these two protocols.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.layers.backends import Backends
+from qwenserve.layers.caches import ModelCaches, RecurrentState
+from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import LinearMethod, UnquantizedLinearMethod
 from qwenserve.logger import init_logger
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from qwenserve.core.cache.spec import CacheSpec
     from qwenserve.quantization.quant_config import QuantConfig
 
 logger = init_logger(__name__)
@@ -48,7 +51,49 @@ class ModelContext:
         return method or UnquantizedLinearMethod(self.backends.float_linear)
 
 
-def config_head_dim(hf_config: Any) -> int:
+class CausalLM(Protocol):
+    """The model contract: what the worker, the model runner, the pooler and a draft-model
+    proposer call on a built model (``DenseForCausalLM`` and every architecture derived from it).
+    """
+
+    lm_head: nn.Module | None  # None: an embedding model (--runner pooling, --task embed)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                 caches: ModelCaches) -> torch.Tensor:
+        """[num_tokens] ids and positions -> [num_tokens, hidden] last hidden states."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits (gathered over tensor-parallel ranks)."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None: ...
+
+    def allocate_state(self, num_state_slots: int, device: torch.device
+                       ) -> list[RecurrentState]:
+        """One state pool per recurrent layer (models without recurrent layers: none)."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def eval(self) -> nn.Module: ...
+
+
+class ModelClass(Protocol):
+    """An architecture as the registry returns it: built from a context, and able to say what
+    cache it needs before it is built (the cache plan is made from the config alone)."""
+
+    def __call__(self, ctx: ModelContext) -> CausalLM: ...
+
+    def cache_specs(self, hf_config: PretrainedConfig, tp_size: int, kv_dtype_bytes: int,
+                    ssm_dtype_bytes: int = 4) -> list[CacheSpec]: ...
+
+
+def config_head_dim(hf_config: PretrainedConfig) -> int:
     return getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec
 from qwenserve.layers.activation import silu_and_mul
-from qwenserve.layers.caches import ModelCaches
+from qwenserve.layers.caches import ModelCaches, RecurrentState
 from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -197,6 +197,11 @@ class DenseForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
+
+    def allocate_state(self, num_state_slots: int, device: torch.device
+                       ) -> list[RecurrentState]:
+        """No recurrent layers: no state pools (hybrid models override)."""
+        return []
 
     def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
                            ) -> Iterable[tuple[str, torch.Tensor]]:

@@ -13,12 +13,15 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qwenserve import envs
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -145,7 +148,7 @@ def read_gguf_config(path: str) -> tuple[Any, tuple[int, ...]]:
     return config, (() if eos is None else (int(eos),))
 
 
-def iter_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, np.ndarray]]:
+def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (Hugging Face tensor name, float32 array) for every tensor, one at a time."""
     index = gguf_index(path)
     arch = _field(index, "general.architecture")
@@ -204,7 +207,7 @@ def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
         w.shape)
 
 
-def load_gguf_tokenizer(path: str) -> Any:
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The HF tokenizer (with chat template) converted from GGUF metadata, cached on disk."""
     from transformers import AutoTokenizer
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.models.dense import DenseForCausalLM, DenseSwitches
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen2ForCausalLM(DenseForCausalLM):
     @classmethod
-    def switches(cls, hf_config: Any) -> DenseSwitches:
+    def switches(cls, hf_config: PretrainedConfig) -> DenseSwitches:
         if getattr(hf_config, "use_sliding_window", False):
             raise ValueError("Qwen2 sliding-window attention (use_sliding_window=true) is not "
                              "supported; no released Qwen2/2.5 model enables it")

@@ -9,7 +9,9 @@
 
 Full-attention layers use the paged KV cache; DeltaNet layers use one state slot per sequence.
 Checkpoints of the vision-language model nest the text model under ``model.language_model.``;
-the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped.
+the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped
+here; the head is loaded on its own (``qwen3_5_mtp.py``) when ``--speculative-config`` asks
+for MTP.
 
 Qwen3-Next (``Qwen3NextForCausalLM``) is the same network with two fused DeltaNet projections
 whose rows are grouped per key head (``in_proj_qkvz``, ``in_proj_ba``); they are regrouped into
@@ -19,7 +21,7 @@ Qwen3.5's four matrices while loading (``split_qwen3_next_projections``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -46,7 +48,7 @@ logger = init_logger(__name__)
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 
-def layer_types(cfg: Any) -> list[str]:
+def layer_types(cfg: PretrainedConfig) -> list[str]:
     types = getattr(cfg, "layer_types", None)
     if types:
         return list(types)
@@ -55,7 +57,7 @@ def layer_types(cfg: Any) -> list[str]:
             for i in range(cfg.num_hidden_layers)]
 
 
-def partial_rotary_factor(cfg: Any) -> float:
+def partial_rotary_factor(cfg: PretrainedConfig) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
     return float(params.get("partial_rotary_factor",
                             getattr(cfg, "partial_rotary_factor", 0.25) or 0.25))
@@ -220,6 +222,21 @@ class Qwen3_5ForCausalLM(DenseForCausalLM):
                                * kv_dtype_bytes, ssm),
         ]
 
+    @classmethod
+    def mtp_cache_specs(cls, hf_config: PretrainedConfig, tp_size: int, kv_dtype_bytes: int
+                        ) -> list[CacheSpec]:
+        """The MTP head's paged KV layer (``--speculative-config`` method mtp)."""
+        from qwenserve.models.qwen3_5_mtp import mtp_cache_spec
+
+        return [mtp_cache_spec(hf_config, tp_size, kv_dtype_bytes)]
+
+    def make_mtp_head(self, ctx: ModelContext) -> nn.Module:
+        """The checkpoint's multi-token-prediction head, sharing this model's embedding,
+        rotary embedding and LM head (``models/qwen3_5_mtp.py``)."""
+        from qwenserve.models.qwen3_5_mtp import Qwen3_5MTP
+
+        return Qwen3_5MTP(ctx, self)
+
     def allocate_state(self, num_state_slots: int, device: torch.device
                        ) -> list[RecurrentState]:
         """Per Gated DeltaNet layer: conv [slots, K-1, conv_dim] and ssm [slots, Hv, Dk, Dv]."""
@@ -257,7 +274,7 @@ def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
         logger.info("Skipped %d vision-tower / MTP tensors (not needed to serve text)", skipped)
 
 
-def split_qwen3_next_projections(weights: Iterable[tuple[str, torch.Tensor]], cfg: Any
+def split_qwen3_next_projections(weights: Iterable[tuple[str, torch.Tensor]], cfg: PretrainedConfig
                                  ) -> Iterable[tuple[str, torch.Tensor]]:
     """Qwen3-Next's ``in_proj_qkvz`` rows are [q | k | v | z] per key head (v and z holding that
     head's Hv/Hk value heads) and ``in_proj_ba`` rows [b | a] per key head; regroup them into

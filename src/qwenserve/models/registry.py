@@ -6,7 +6,10 @@ Adding a model adds one line here and one file beside this one; nothing else bra
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qwenserve.models.base import ModelClass
 
 # architecture -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -43,6 +46,6 @@ def resolve_architecture(architectures: list[str] | None) -> str:
     )
 
 
-def load_model_class(architecture: str) -> Any:
+def load_model_class(architecture: str) -> ModelClass:
     module_name, class_name = _MODELS[resolve_architecture([architecture])]
     return getattr(importlib.import_module(module_name), class_name)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from qwenserve.config import ModelConfig
 
 
-def load_tokenizer(model_config: ModelConfig) -> Any:
+def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     source = model_config.source
     if source.is_gguf and model_config.tokenizer == source.folder:
         from qwenserve.models.gguf_loader import load_gguf_tokenizer

@@ -12,7 +12,7 @@ merge of image rows into the input embeddings (plus Qwen3-VL's deep-stack featur
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from qwenserve.models.base import (
     split_module_weights,
 )
 from qwenserve.models.vision.tower import VISION_PREFIX, Qwen3VisionTower, VisionOutput
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = init_logger(__name__)
 
@@ -93,7 +96,7 @@ def build_vision(model: nn.Module, ctx: ModelContext) -> Qwen3VisionTower | None
     return Qwen3VisionTower(vision_config, ctx.dtype, ctx.tp)
 
 
-def _head_dim(cfg: Any) -> int:
+def _head_dim(cfg: PretrainedConfig) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 

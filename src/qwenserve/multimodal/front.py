@@ -19,6 +19,7 @@ from qwenserve.multimodal.prompt import ImagePromptFormat, expand_image_tokens
 
 if TYPE_CHECKING:
     from PIL import Image
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 class ImageInputs:
@@ -34,14 +35,14 @@ class ImageInputs:
             if config.processor_cache_bytes else None)
 
     @classmethod
-    def for_model(cls, model_dir: str, hf_config: Any, tokenizer: Any,
+    def for_model(cls, model_dir: str, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
                   config: MultiModalConfig) -> ImageInputs:
         processor = ImageProcessor.from_model_dir(model_dir, hf_config.vision_config,
                                                   config.processor_kwargs)
         return cls(processor, ImagePromptFormat.from_config(hf_config, tokenizer), config)
 
     @classmethod
-    def for_engine(cls, config: Any, tokenizer: Any) -> ImageInputs | None:
+    def for_engine(cls, config: Any, tokenizer: PreTrainedTokenizerBase) -> ImageInputs | None:
         """The image front of an ``EngineConfig``'s model; None for text models,
         ``--language-model-only`` and ``--limit-mm-per-prompt '{"image": 0}'``."""
         mc, mm = config.model, config.multimodal

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.multimodal.inputs import (
     ImagePlacement,
     mrope_position_delta,
     num_image_tokens,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class ImagePromptFormat:
     placeholder: str  # e.g. "<|vision_start|><|image_pad|><|vision_end|>"
 
     @classmethod
-    def from_config(cls, hf_config: Any, tokenizer: Any) -> ImagePromptFormat:
+    def from_config(cls, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> ImagePromptFormat:
         ids = [int(getattr(hf_config, name)) for name in
                ("image_token_id", "vision_start_token_id", "vision_end_token_id")]
         start, pad, end = tokenizer.convert_ids_to_tokens([ids[1], ids[0], ids[2]])

@@ -7,12 +7,14 @@ weight is read); ``build_quant_method`` when a worker builds its model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from qwenserve.logger import init_logger
 from qwenserve.quantization import schemes
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from qwenserve.config import ModelConfig
     from qwenserve.quantization.kernels import Int8Matmul
     from qwenserve.quantization.quant_config import QuantConfig
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-def resolve_quantization(hf_config: Any, requested: str | None) -> tuple[str | None, dict | None]:
+def resolve_quantization(hf_config: PretrainedConfig, requested: str | None) -> tuple[str | None, dict | None]:
     """Return (method, quantization config) for the checkpoint and the user's ``--quantization``.
 
     Quantized checkpoints are detected (compressed-tensors ``quantization_config``, ModelSlim

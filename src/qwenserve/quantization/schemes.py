@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # The one list of methods: what ``ModelConfig.quantization`` may hold, and the ``--quantization``
 # choices (``w8a8``: whichever INT8 W8A8 format the checkpoint has).
@@ -44,7 +47,7 @@ def shard_names(prefix: str) -> list[str]:
 
 
 # ---- detection and the --quantization flag ------------------------------------------------------
-def resolve(hf_config: Any, requested: str | None) -> tuple[str | None, dict | None]:
+def resolve(hf_config: PretrainedConfig, requested: str | None) -> tuple[str | None, dict | None]:
     """(method, config): the checkpoint's method reconciled with the user's flag."""
     detected, config = detect(hf_config)
     method = _reconcile(detected, requested)
@@ -53,7 +56,7 @@ def resolve(hf_config: Any, requested: str | None) -> tuple[str | None, dict | N
     return method, config
 
 
-def detect(hf_config: Any) -> tuple[str | None, dict | None]:
+def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
     """Read the checkpoint's quantization; refuse what qwenserve cannot run."""
     ckpt = _as_dict(getattr(hf_config, "quantization_config", None))
     folder = str(getattr(hf_config, "_name_or_path", "") or "")

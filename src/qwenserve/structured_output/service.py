@@ -11,11 +11,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve.logger import init_logger
 from qwenserve.structured_output.backend import CompiledGrammar, GrammarBackend
 from qwenserve.structured_output.params import GrammarSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -51,7 +54,7 @@ class GrammarService:
         return self.submit(spec).result()
 
 
-def grammar_service(tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+def grammar_service(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int],
                     key: str) -> GrammarService:
     """The process's service for this tokenizer (``key`` names it: the tokenizer's path)."""
     ident = (key, vocab_size, tuple(sorted(stop_token_ids)))
@@ -67,7 +70,7 @@ def grammar_service(tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
         return service
 
 
-def model_grammar_service(model_config: Any, tokenizer: Any | None = None) -> GrammarService:
+def model_grammar_service(model_config: Any, tokenizer: PreTrainedTokenizerBase | None = None) -> GrammarService:
     """The service for a model (its tokenizer is loaded unless given)."""
     key = str(model_config.tokenizer)
     stop_ids = list(model_config.eos_token_ids)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qwenserve.structured_output.backend import GrammarError
 from qwenserve.structured_output.params import GrammarSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the client needs the rest.
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
@@ -38,7 +41,7 @@ class XgrammarMatcher:
 class XgrammarBackend:
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int],
                  max_threads: int = 2) -> None:
         import xgrammar
 

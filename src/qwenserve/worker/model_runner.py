@@ -9,7 +9,6 @@ proposer drafts the next tokens of every request it sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -19,6 +18,7 @@ from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
+from qwenserve.models.base import CausalLM
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.spec_decode import state_rollback
 from qwenserve.spec_decode.proposer import Proposer
@@ -26,7 +26,7 @@ from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
 from qwenserve.worker.pooler import pool
-from qwenserve.worker.sampler import SamplingRow, prompt_logprobs, sample
+from qwenserve.worker.sampler import SampledToken, SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
 PROMPT_LOGPROBS_ROWS = 256
@@ -54,7 +54,7 @@ class PromptScoring:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, caches: ModelCaches, backends: Backends, block_size: int,
+    def __init__(self, model: CausalLM, caches: ModelCaches, backends: Backends, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
                  pooler: PoolerConfig | None = None,
@@ -128,7 +128,7 @@ class ModelRunner:
         if self.pooler is not None:
             return self._pooled(chunks, hidden[batch.logits_indices])
         if self.proposer is not None:
-            self.proposer.forward(batch)
+            self.proposer.forward(batch, hidden, chunks)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
@@ -179,7 +179,7 @@ class ModelRunner:
         batch = self._prepare(kept)
         self.model(batch.input_ids, batch.positions, batch, self.caches)
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[list[Any]]:
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[list[SampledToken]]:
         """Per sampled chunk, the tokens it emits: one, or with drafts the accepted ones and
         the next (``logits`` has 1 + num_draft_tokens rows per chunk)."""
         if not any(c.num_draft_tokens for c in chunks):

@@ -5,14 +5,14 @@ positive-minus-negative token logit."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
 from qwenserve.config import PoolerConfig
+from qwenserve.models.base import CausalLM
 
 
-def pool(model: Any, pooler: PoolerConfig, last_hidden: torch.Tensor) -> torch.Tensor:
+def pool(model: CausalLM, pooler: PoolerConfig, last_hidden: torch.Tensor) -> torch.Tensor:
     """last_hidden [n, H] (each prompt's last token) -> [n, H] embeddings or [n, 1] score
     logits, fp32. Every rank calls it: the LM head's all-gather is a collective."""
     if pooler.kind == "embed":

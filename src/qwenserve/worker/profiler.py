@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.core.sched_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.worker.caches import allocate_caches
 from qwenserve.worker.model_runner import ModelRunner
 
+if TYPE_CHECKING:
+    from qwenserve.worker.worker import Worker
 
-def profile_peak_bytes(worker: Any) -> int:
+
+def profile_peak_bytes(worker: Worker) -> int:
     """Run a prefill of ``max_num_batched_tokens`` tokens with a throwaway cache; return the
     peak bytes allocated beyond the weights."""
     cfg = worker.config

@@ -94,7 +94,8 @@ def guarded(tiny_model, tmp_path_factory) -> RemoteServer:
         ],
         log,
         api_key=API_KEY,
-        env={"QWENSERVE_HTTP_HEADER_TIMEOUT": "2", "QWENSERVE_HTTP_TIMEOUT_KEEP_ALIVE": "1"},
+        env={"QWENSERVE_HTTP_HEADER_TIMEOUT": "2", "QWENSERVE_HTTP_TIMEOUT_KEEP_ALIVE": "1",
+             "QWENSERVE_HTTP_BODY_TIMEOUT": "2"},
     )
     yield srv
     srv.stop()

@@ -300,3 +300,44 @@ def test_serve_parser_is_a_subclass_without_an_import_circle():
     parser = build_parser("serve")
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-queued-sequences", "-1"])  # validated as a subparser
+
+
+def test_help_group_is_one_section_with_every_flag_of_that_group(capsys):
+    """--help=<group> (any case): one section holding the group's flags from every place that
+    adds them (EngineArgs and the server's extras), and nothing else."""
+    with pytest.raises(SystemExit) as e:
+        parse(["--help=modelconfig"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.count("ModelConfig:") == 1
+    assert "--max-model-len" in out and "--override-generation-config" in out
+    assert "--port" not in out and "--block-size" not in out
+    with pytest.raises(SystemExit):
+        parse(["--help=listgroup"])
+    titles = capsys.readouterr().out.split()
+    assert titles.count("ModelConfig") == 1 and titles.count("CacheConfig") == 1
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "--help"])
+    assert capsys.readouterr().out.count("\nCacheConfig:") == 1
+
+
+def test_help_page_and_no_match(capsys, monkeypatch):
+    monkeypatch.setenv("PAGER", "cat")
+    with pytest.raises(SystemExit) as e:
+        parse(["--help=page"])  # the full help through a pager (plain text off a terminal)
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--max-num-seqs" in out and "--port" in out
+    with pytest.raises(SystemExit) as e:
+        parse(["--help=no-such-thing"])
+    assert e.value.code == 1 and "No group or parameter matching" in capsys.readouterr().out
+
+
+def test_help_reads_no_argparse_internals():
+    """Issue 14: the serve parser keeps its own record of groups and flags."""
+    import inspect
+
+    from qwenserve.entrypoints.openai import cli_args, cli_data_parallel, cli_help
+
+    for module in (cli_args, cli_help, cli_data_parallel):
+        source = inspect.getsource(module)
+        for private in ("._actions", "._action_groups", "._group_actions", "argparse._"):
+            assert private not in source, (module.__name__, private)

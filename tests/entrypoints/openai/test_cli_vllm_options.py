@@ -78,9 +78,32 @@ def test_data_parallel_flags_for_one_replica(caplog):
         ns = parse(["--data-parallel-size", "1", "--data-parallel-size-local", "1",
                     "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "6884"])
     assert ns.data_parallel_size == 1 and "no effect with one data-parallel replica" in caplog.text
-    message = refusal(["--data-parallel-size", "2"])
-    assert "--data-parallel-size 2" in message and "load balancer" in message
-    assert "--data-parallel-rank 1" in refusal(["--data-parallel-rank", "1"])
+    assert "--data-parallel-rank 1: must be in 0..0" in refusal(["--data-parallel-rank", "1"])
+
+
+def test_data_parallel_layouts_and_refusals():
+    from qwenserve.entrypoints.openai.cli_data_parallel import data_parallel_config
+
+    head = data_parallel_config(parse(["-dp", "4", "-dpl", "2", "-dpa", "10.0.0.1",
+                                       "-dpp", "13389"]))
+    assert head.local_ranks == (0, 1) and head.remote_ranks == (2, 3)
+    assert (head.address, head.rpc_port, head.engine_indexes) == ("10.0.0.1", 13389,
+                                                                  (0, 1, 2, 3))
+    node = data_parallel_config(parse(["--headless", "--data-parallel-size", "4",
+                                       "--data-parallel-size-local", "2",
+                                       "--data-parallel-start-rank", "2"]))
+    assert node.headless and node.local_ranks == (2, 3) and node.remote_ranks == ()
+    alone = data_parallel_config(parse(["-dp", "2", "--data-parallel-rank", "1"]))
+    assert alone.external and alone.local_ranks == (1,) and alone.engine_indexes == (1,)
+    assert data_parallel_config(parse(["-dp", "2"])).local_ranks == (0, 1)
+    message = refusal(["-dp", "2", "--enable-expert-parallel"])
+    assert "error: --data-parallel-size 2 with --enable-expert-parallel" in message
+    assert "--api-server-count 2" in refusal(["--api-server-count", "2"])
+    assert "--data-parallel-start-rank" in refusal(["--headless", "-dp", "2"])
+    assert "--headless" in refusal(["-dp", "2", "--data-parallel-start-rank", "1"])
+    assert "must be 1..1" in refusal(["--headless", "-dp", "2", "-dpl", "2", "-dpr", "1"])
+    assert "--data-parallel-size 0" in refusal(["-dp", "0"])
+    assert parse(["--api-server-count", "1"]).api_server_count == 1
 
 
 def test_hf_overrides_merge_and_yarn_length():

@@ -157,3 +157,49 @@ def test_an_idle_keep_alive_connection_is_closed(guarded):
         sock.settimeout(10)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         assert _closed_within(sock, 5)
+
+
+def _post_head(server: RemoteServer, path: str, length: int) -> bytes:
+    key = server.headers["Authorization"].encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n").encode() + b"Authorization: " + key + b"\r\n\r\n"
+
+
+def test_a_trickled_body_gets_a_408_and_is_cut_off(guarded):
+    """Headers complete, then the body a byte at a time: the handler waiting for it must not be
+    held past QWENSERVE_HTTP_BODY_TIMEOUT (2 s here), and the server keeps serving."""
+    body = b'{"model": "%s", "prompt": "Hi", "max_tokens": 1}' % SERVED.encode()
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.sendall(_post_head(guarded, "/v1/completions", len(body)) + body[:5])
+        start, answer = time.monotonic(), b""
+        sock.settimeout(0.2)
+        for byte in body[5:]:
+            try:
+                sock.sendall(bytes([byte]))
+                answer += sock.recv(65536)
+                if answer:
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        assert time.monotonic() - start < 4  # len(body) * 0.2 s would be ~10 s
+        sock.settimeout(3)
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"QWENSERVE_HTTP_BODY_TIMEOUT" in answer
+    assert guarded.get("/health", timeout=2).status_code == 200
+
+
+def test_a_body_sent_in_time_is_served(guarded):
+    body = b'{"model": "%s", "prompt": "Hi", "max_tokens": 1}' % SERVED.encode()
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        sock.sendall(_post_head(guarded, "/v1/completions", len(body)) + body[:5])
+        time.sleep(1)  # a pause under the deadline
+        sock.sendall(body[5:])
+        sock.settimeout(30)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")

@@ -58,6 +58,7 @@ HONOURED = {
     "structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
     "thinking_token_budget": {"thinking_token_budget": 2},
     "request_id": {"request_id": "my-id"},
+    "kv_transfer_params": {"kv_transfer_params": {"do_remote_decode": True}},
     "tools": {"tools": TOOLS, "tool_choice": "none"},
     "tool_choice": {"tools": TOOLS, "tool_choice": "auto"},
     "parallel_tool_calls": {"tools": TOOLS, "parallel_tool_calls": False},
@@ -70,7 +71,8 @@ HONOURED = {
     "chat_template": {"chat_template": "{{ messages[0].content }}"},  # needs the trust flag
     "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": True}},
 }
-NEEDS_FLAG = {"chat_template"}  # honoured only with --trust-request-chat-template
+# honoured only with --trust-request-chat-template / --kv-transfer-config (tests/kv_transfer)
+NEEDS_FLAG = {"chat_template", "kv_transfer_params"}
 REFUSED_VALUE = {"length_penalty": 2.0, "echo": True, "priority": 1, "stream_interval": 2}
 
 

@@ -25,7 +25,7 @@ def embedder(tmp_path_factory):
                         "--additional-config",
                         '{"ascend_compilation_config": {"fuse_norm_quant": false}}',
                         "--runner", "pooling", "--dtype", "float32", "--max-model-len", "1024",
-                        "--kv-cache-memory-bytes", "32M"],
+                        "--kv-cache-memory-bytes", "32M", "--max-sequences-per-request", "3"],
                        tmp_path_factory.mktemp("emb-log") / "server.log")
     yield path, srv
     srv.stop()
@@ -37,7 +37,8 @@ def reranker(tmp_path_factory):
     srv = RemoteServer([path, "--served-model-name", "Qwen/Qwen3-Reranker-0.6B", "--runner",
                         "pooling", "--hf_overrides", json.dumps(RERANKER_OVERRIDES),
                         "--dtype", "float32", "--max-model-len", "1024",
-                        "--kv-cache-memory-bytes", "32M"],
+                        "--kv-cache-memory-bytes", "32M", "--max-num-seqs", "2",
+                        "--max-queued-sequences", "1", "--max-sequences-per-request", "4"],
                        tmp_path_factory.mktemp("rr-log") / "server.log")
     yield path, srv
     srv.stop()
@@ -117,3 +118,24 @@ def test_embedding_model_scores_by_cosine_similarity(embedder):
     body = srv.post("/score", json={"text_1": TEXTS[0], "text_2": TEXTS}).json()
     assert [d["score"] for d in body["data"]] == pytest.approx(
         [float(vecs[0] @ vecs[0]), float(vecs[0] @ vecs[1])], abs=1e-4)
+
+
+def test_pooling_routes_go_through_the_admission_caps(embedder, reranker):
+    """Each prompt is one sequence: over --max-sequences-per-request is a 400, past what may
+    run (--max-num-seqs 2) plus wait (--max-queued-sequences 1) a 429; refused and finished
+    requests give their reservations back."""
+    _, emb = embedder
+    r = emb.post("/v1/embeddings", json={"input": ["a", "b", "c", "d"]})
+    assert r.status_code == 400 and "--max-sequences-per-request" in r.text, r.text
+    assert "4 sequences" in r.json()["error"]["message"]
+    _, srv = reranker
+    docs = ["one", "two", "three", "four", "five"]
+    r = srv.post("/rerank", json={"query": "q", "documents": docs})
+    assert r.status_code == 400 and "--max-sequences-per-request" in r.text, r.text
+    r = srv.post("/score", json={"text_1": "q", "text_2": docs[:4]})
+    assert r.status_code == 429 and "--max-queued-sequences" in r.text, r.text
+    for _ in range(3):  # a leaked reservation would turn the last into a 429
+        assert srv.post("/v1/rerank", json={"query": "q", "documents": docs[:2]}).status_code \
+            == 200
+    r = srv.post("/v1/score", json={"text_1": "q", "text_2": docs[:3]})  # all the room there is
+    assert r.status_code == 200 and len(r.json()["data"]) == 3

@@ -53,8 +53,13 @@ class Allocation:
 
 class CacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_lookahead_tokens: int = 0,
+                 max_model_len: int | None = None) -> None:
         self.block_size = block_size
+        # MTP drafting writes the head's KV up to this many positions past a step's tokens:
+        # their slots are allocated with the step's (never past max_model_len).
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.kv = PagedKVManager(num_blocks, block_size, enable_prefix_caching)
         self.states: StateSlotManager | NoStateSlots = (
@@ -69,16 +74,20 @@ class CacheManager:
         return PrefixHit(hit, len(hit) * self.block_size,
                          self.states.checkpoint_for(req, len(hit)))
 
-    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None
-                 ) -> Allocation | None:
+    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                 exact: bool = False) -> Allocation | None:
         """Make room for up to ``num_new_tokens`` tokens after the computed ones (and after the
         prefix ``hit`` of a request being admitted, whose blocks and checkpoint are shared, not
-        copied). None when there is no room, in which case nothing changed."""
+        copied); ``exact``: all of them (no checkpoint stop: a P/D pull fills them). None when
+        there is no room, in which case nothing changed."""
         start = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
-        num_tokens = self.states.limit(req, start, num_new_tokens)
+        num_tokens = num_new_tokens if exact else self.states.limit(req, start, num_new_tokens)
         computed = hit.block_ids if hit is not None else []
         checkpoint = hit.checkpoint_slot if hit is not None else None
-        num_missing = self.kv.num_missing(req, start + num_tokens, computed)
+        end = start + num_tokens
+        if self.num_lookahead_tokens:
+            end = max(end, min(end + self.num_lookahead_tokens, self.max_model_len or end))
+        num_missing = self.kv.num_missing(req, end, computed)
         if num_missing is None or not self.states.acquire(req.request_id, keep=checkpoint):
             return None
         out = Allocation(self.kv.allocate(req, computed, num_missing), num_tokens,
@@ -102,6 +111,19 @@ class CacheManager:
         self.kv.free(req.request_id)
         self.states.release(req.request_id)
         self._step_tokens.pop(req.request_id, None)
+
+    @property
+    def has_states(self) -> bool:
+        return isinstance(self.states, StateSlotManager)
+
+    def hold_state(self, request_id: str) -> int | None:
+        """P/D producer: a slot, kept apart from live requests, for a copy of ``request_id``'s
+        state that a consumer pulls (None: every slot is taken)."""
+        key = f"{request_id}/kv-transfer"
+        return self.states.get(key) if self.states.acquire(key) else None
+
+    def release_held_state(self, request_id: str) -> None:
+        self.states.release(f"{request_id}/kv-transfer")
 
     def usage(self) -> float:
         """KV usage 0..1 (state-slot usage for models without paged layers)."""

@@ -100,13 +100,15 @@ def _log_notes(args: argparse.Namespace) -> None:
 def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Load the engine; returns (AsyncEngine, ServerState, registry)."""
     from qwenserve.engine.async_engine import AsyncEngine
+    from qwenserve.entrypoints.openai.cli_data_parallel import data_parallel_config
     from qwenserve.entrypoints.openai.serving_common import ServerState
     from qwenserve.metrics.loggers import LoggingStatLogger
     from qwenserve.metrics.prometheus import PrometheusStatLogger, make_registry
 
     deferred = _DeferredStatLogger()
     loggers: list[Any] = [deferred] if args.disable_log_stats else [deferred, LoggingStatLogger()]
-    engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers)
+    engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers,
+                                          data_parallel=data_parallel_config(args))
     config = engine.config
     options = _options(args, config.model.name)
     root = getattr(config.model.source, "gguf_file", None) or config.model.source.folder
@@ -118,6 +120,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         state.max_model_len,
         show_hidden=args.show_hidden_metrics_for_version is not None,
         speculative=config.speculative is not None,
+        engine_indexes=engine.engine_indexes,
     )
     plan = engine.plan
     prom.log_cache_config(
@@ -134,26 +137,47 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> None:
     config, plan = engine.config, engine.plan
     mc = config.model
+    engines = engine.engine_indexes
     logger.info(
-        "Serving %s as %s: %s, dtype %s, on %s; max_model_len %d; KV cache %s tokens, maximum "
-        "concurrency %.2fx at %s tokens per request; listening on %s://%s:%d",
+        "Serving %s as %s: %s, dtype %s, on %s%s; max_model_len %d; KV cache %s tokens, maximum "
+        "concurrency %.2fx at %s tokens per request%s; listening on %s://%s:%d",
         mc.name,
         ", ".join(repr(n) for n in state.options.served_model_names),
         mc.architecture,
         mc.dtype,
         engine.device_description,
+        f" x {len(engines)} data-parallel engines (ranks {', '.join(map(str, engines))})"
+        if len(engines) > 1 or engines != (0,) else "",
         state.max_model_len,
         f"{plan.token_capacity:,}",
         plan.max_concurrency(state.max_model_len),
         f"{state.max_model_len:,}",
+        " per engine" if len(engines) > 1 else "",
         scheme,
         host,
         port,
     )
 
 
+def run_headless_node(args: argparse.Namespace) -> int:
+    """``qwenserve serve --headless``: this node's data-parallel engines, no API server."""
+    from qwenserve.engine.dp_headless import run_headless
+    from qwenserve.entrypoints.openai.cli_data_parallel import data_parallel_config
+
+    logger.info("--headless: no API server on this node (--host/--port unused); its engines "
+                "serve the head's")
+    try:
+        engine_args = build_engine_args(args)
+    except Exception as e:  # noqa: BLE001 - one clean line instead of a traceback
+        logger.error("Cannot start the engines: %s", e)
+        return 1
+    return run_headless(engine_args, data_parallel_config(args))
+
+
 def run_server(args: argparse.Namespace) -> int:
     """``qwenserve serve``; returns the process exit code."""
+    if args.headless:
+        return run_headless_node(args)
     host = args.host or "0.0.0.0"
     try:
         sock = bind_socket(host, args.port)
@@ -214,9 +238,9 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
 
 
 def _http_protocol() -> Any:
-    from qwenserve.entrypoints.openai.http_protocol import protocol_with_header_timeout
+    from qwenserve.entrypoints.openai.http_protocol import timed_protocol
 
-    return protocol_with_header_timeout(envs.http_header_timeout_s())
+    return timed_protocol(envs.http_header_timeout_s(), envs.http_body_timeout_s())
 
 
 def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> bool:

@@ -19,6 +19,12 @@ from qwenserve.entrypoints.openai.cli_data_parallel import (
     add_data_parallel_flags,
     data_parallel_problem,
 )
+from qwenserve.entrypoints.openai.cli_help import (
+    AddsArguments,
+    FlagGroup,
+    FlagRegistry,
+    answer_help_query,
+)
 from qwenserve.entrypoints.openai.cli_spellings import canonical_flag_spellings
 from qwenserve.entrypoints.openai.reasoning import KNOWN_VLLM_REASONING_PARSERS, REASONING_PARSERS
 from qwenserve.entrypoints.openai.tool_parsers import KNOWN_VLLM_TOOL_PARSERS, TOOL_PARSERS
@@ -41,15 +47,14 @@ UNIMPLEMENTED: tuple[tuple[tuple[str, ...], dict[str, Any], tuple[Any, ...]], ..
     (("--cpu-offload-gb",), {"type": float}, (None, 0.0)),
     (("--enable-lora",), {"action": BOOL}, (None, False)),
     (("--lora-modules",), {"nargs": "+"}, (None,)),
-    (("--kv-transfer-config",), {}, (None,)),
     (("--guided-decoding-backend",), {}, (None,)),
     (("--tool-parser-plugin",), {}, (None,)),
     (("--reasoning-parser-plugin",), {}, (None,)),
     (("--return-tokens-as-token-ids",), {"action": BOOL}, (None, False)),
     (("--enable-sleep-mode",), {"action": BOOL}, (None, False)),
-    (("--api-server-count", "-asc"), {"type": int}, (None, 1)),
-    (("--headless",), {"action": BOOL}, (None, False)),
     (("--safetensors-load-strategy",), {}, (None, "lazy")),  # qwenserve maps shards lazily
+    # qwenserve always manages a hybrid model's KV blocks and state slots together
+    (("--disable-hybrid-kv-cache-manager",), {"action": BOOL}, (None, False)),
 )
 
 
@@ -61,7 +66,7 @@ VLLM_ONLY_FLAGS = frozenset(
     --code-revision --collect-detailed-traces --config-format --cpu-offload-params
     --cuda-graph-sizes --data-parallel-backend
     --decode-context-parallel-size --disable-cascade-attn --disable-custom-all-reduce
-    --disable-frontend-multiprocessing --disable-hybrid-kv-cache-manager
+    --disable-frontend-multiprocessing
     --disable-sliding-window --enable-dbo --enable-eplb
     --enable-log-outputs --enable-lora-bias --enable-multimodal-encoder-data-parallel
     --enable-prompt-embeds --enable-server-load-tracking --enable-ssl-refresh
@@ -301,9 +306,6 @@ def _add_unimplemented(parser: argparse.ArgumentParser) -> None:
     )
     for names, kwargs, _ in UNIMPLEMENTED:
         g.add_argument(*names, default=None, help=argparse.SUPPRESS, **kwargs)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
-                   help=argparse.SUPPRESS)
-    add_data_parallel_flags(g)
 
 
 class ServeArgumentParser(argparse.ArgumentParser):
@@ -312,18 +314,30 @@ class ServeArgumentParser(argparse.ArgumentParser):
     (also as the ``qwenserve serve`` subparser: ``cli.py`` creates it with this class)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._groups: dict[str, argparse._ArgumentGroup] = {}
+        self.flags = FlagRegistry()
+        self._built = False  # argparse makes its own two default groups while initialising
         super().__init__(*args, **kwargs)
+        self._built = True
 
-    def add_argument_group(self, *args: Any, **kwargs: Any) -> argparse._ArgumentGroup:
-        group = super().add_argument_group(*args, **kwargs)
-        if group.title:
-            self._groups[group.title] = group
-        return group
+    def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*name_or_flags, **kwargs)
+        self.flags.actions.append(action)
+        return action
 
-    def group(self, title: str) -> argparse._ArgumentGroup:
+    def add_argument_group(self, title: str | None = None, description: str | None = None,
+                           **kwargs: Any) -> AddsArguments:
+        """A ``FlagGroup`` per title (the same one when asked again), so ``--help=<group>``
+        can list its flags; argparse's own default groups pass through untouched."""
+        if not self._built or title is None:
+            return super().add_argument_group(title, description, **kwargs)
+        if title not in self.flags.groups:
+            group = super().add_argument_group(title, description, **kwargs)
+            self.flags.groups[title] = FlagGroup(title, description, group, self.flags)
+        return self.flags.groups[title]
+
+    def group(self, title: str) -> FlagGroup:
         """The argument group named ``title`` (added by ``EngineArgs.add_cli_args``)."""
-        return self._groups[title]
+        return self.flags.groups[title]
 
     def parse_known_args(  # type: ignore[override]
         self, args: Any = None, namespace: Any = None
@@ -333,7 +347,9 @@ class ServeArgumentParser(argparse.ArgumentParser):
         argv = fold_dotted_flags(argv, "--compilation-config")
         argv = fold_dotted_flags(argv, "--speculative-config")
         argv = fold_dotted_flags(argv, "--limit-mm-per-prompt")
-        _maybe_filtered_help(self, argv)
+        query = next((a.split("=", 1)[1] for a in argv if a.startswith("--help=")), None)
+        if query is not None:
+            answer_help_query(self, self.flags, query, _refused_flags())
         config_argv, config_model = read_config(self, argv)
         if config_argv:  # parsed on their own first, so a list value cannot swallow argv's model
             namespace, _ = super().parse_known_args(config_argv, namespace)
@@ -363,6 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_frontend(parser)
     EngineArgs.add_cli_args(parser)
     _add_engine_extras(parser)
+    add_data_parallel_flags(parser.group("ParallelConfig"))
     _add_unimplemented(parser)
     parser.epilog = HELP_EPILOG.format(prog=parser.prog)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -379,7 +396,7 @@ def make_serve_parser() -> ServeArgumentParser:
 
 
 # ---- parsing: --config, --help=..., validation -------------------------------------------------
-def read_config(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], str | None]:
+def read_config(parser: ServeArgumentParser, argv: list[str]) -> tuple[list[str], str | None]:
     """``--config FILE`` -> (its flags as argv, its ``model``), both empty without ``--config``.
 
     The caller parses the file's flags first and the command line on top, so command-line flags
@@ -406,8 +423,8 @@ def read_config(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[
     return config_to_argv(parser, data), None if model is None else str(model)
 
 
-def config_to_argv(parser: argparse.ArgumentParser, data: dict[str, Any]) -> list[str]:
-    known = {s for a in parser._actions for s in a.option_strings}
+def config_to_argv(parser: ServeArgumentParser, data: dict[str, Any]) -> list[str]:
+    known = parser.flags.option_strings()
     out: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
@@ -425,46 +442,6 @@ def config_to_argv(parser: argparse.ArgumentParser, data: dict[str, Any]) -> lis
         elif value is not None:
             out += [flag, str(value)]
     return out
-
-
-def _maybe_filtered_help(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """vLLM's ``--help=listgroup``, ``--help=<group>`` and ``--help=<keyword>``."""
-    query = next((a.split("=", 1)[1] for a in argv if a.startswith("--help=")), None)
-    if query is None:
-        return
-    if query == "all":
-        parser.print_help()
-        parser.exit(0)
-    groups = [g for g in parser._action_groups if g._group_actions]
-    if query == "listgroup":
-        print("\n".join(g.title for g in groups if g.title))
-        parser.exit(0)
-    formatter = parser.formatter_class(prog=parser.prog)
-    matched = [g for g in groups if (g.title or "").lower() == query.lower()]
-    for group in matched:
-        formatter.start_section(group.title)
-        formatter.add_arguments(group._group_actions)
-        formatter.end_section()
-    if not matched:
-        key = query.lower().lstrip("-").replace("_", "-")
-        actions = [
-            a
-            for a in parser._actions
-            if a.help != argparse.SUPPRESS and any(key in s.lstrip("-") for s in a.option_strings)
-        ]
-        refused = sorted(f for f in _refused_flags() if key in f.lstrip("-"))
-        if not actions:
-            note = f" ({', '.join(refused)}: not implemented yet in qwenserve)" if refused else ""
-            print(
-                f"No group or parameter matching {query!r}{note}. Use '--help' to see the "
-                "groups or '--help=all' to see every parameter."
-            )
-            parser.exit(0)
-        formatter.start_section(f"flags matching {query!r}")
-        formatter.add_arguments(actions)
-        formatter.end_section()
-    print(formatter.format_help())
-    parser.exit(0)
 
 
 def _refused_flags() -> list[str]:

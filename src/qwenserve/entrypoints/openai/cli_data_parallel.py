@@ -1,50 +1,119 @@
-"""vLLM's data-parallel flags. qwenserve runs one engine replica per server, so they are accepted
-where they describe exactly that (``--data-parallel-size 1``, as vLLM Ascend's single-node guides
-pass them, with the address/port a multi-replica run would use) and refused otherwise, with the
-way to get replicas today: one server per replica behind a load balancer."""
+"""vLLM's data-parallel flags, checked and resolved into ``DataParallelConfig``
+(``engine/dp_config.py`` says what each layout runs).
+
+Refused by name, with the reason: ``--enable-expert-parallel`` with more than one rank (vLLM
+makes all ranks one MoE group stepping together; qwenserve's replicas step independently), and
+``--api-server-count`` above 1 (each engine answers one API process).
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from qwenserve.engine.dp_config import DEFAULT_ADDRESS, DEFAULT_RPC_PORT, DataParallelConfig
+from qwenserve.entrypoints.openai.cli_help import AddsArguments
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-# flag -> the value that means "this one replica" (None: any value, unused with one replica)
-SINGLE_REPLICA = {
-    "--data-parallel-size-local": 1,
-    "--data-parallel-rank": 0,
-    "--data-parallel-start-rank": 0,
-    "--data-parallel-address": None,
-    "--data-parallel-rpc-port": None,
+FLAGS: dict[str, type] = {
+    "--data-parallel-size-local": int,
+    "--data-parallel-rank": int,
+    "--data-parallel-start-rank": int,
+    "--data-parallel-address": str,
+    "--data-parallel-rpc-port": int,
 }
-_TYPES = {"--data-parallel-address": str, "--data-parallel-rpc-port": int}
-REPLICAS_HINT = ("run one qwenserve server per replica behind a load balancer (`qwenserve "
-                 "deploy nginx|haproxy` writes one)")
+BOOL = argparse.BooleanOptionalAction
 
 
-def add_data_parallel_flags(group: argparse._ArgumentGroup) -> None:
-    for flag in SINGLE_REPLICA:
-        group.add_argument(flag, type=_TYPES.get(flag, int), default=None,
-                           help=argparse.SUPPRESS)
+def add_data_parallel_flags(group: AddsArguments) -> None:
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                       help="Engine replicas (data-parallel ranks) behind this API server, "
+                       "each with --tensor-parallel-size ranks of its own.")
+    group.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                       help="Replicas run on this node (default: all of them on the head).")
+    group.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
+                       help="The first rank this node runs (with --headless).")
+    group.add_argument("--data-parallel-rank", "-dpn", type=int, default=None,
+                       help="Run only this rank behind this server (vLLM's external load "
+                       "balancing: one server per rank; dense models).")
+    group.add_argument("--data-parallel-address", "-dpa", default=None,
+                       help=f"The head node's address (default {DEFAULT_ADDRESS}).")
+    group.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
+                       help=f"The head's port for joining nodes (default {DEFAULT_RPC_PORT}).")
+    group.add_argument("--headless", action=BOOL, default=None,
+                       help="Run this node's replicas for a head node, without an API server.")
+    group.add_argument("--api-server-count", "-asc", type=int, default=None,
+                       help="API server processes (1: qwenserve runs one).")
+
+
+def data_parallel_config(ns: argparse.Namespace) -> DataParallelConfig:
+    """The layout the flags describe (call after ``data_parallel_problem`` found none)."""
+    size = ns.data_parallel_size or 1
+    address = ns.data_parallel_address or DEFAULT_ADDRESS
+    port = ns.data_parallel_rpc_port or DEFAULT_RPC_PORT
+    if ns.data_parallel_rank is not None and size > 1:
+        return DataParallelConfig(size, 1, ns.data_parallel_rank, address, port, external=True)
+    start = ns.data_parallel_start_rank or 0
+    local = ns.data_parallel_size_local
+    if local is None:
+        local = size - start
+    return DataParallelConfig(size, local, start, address, port, headless=bool(ns.headless))
 
 
 def data_parallel_problem(ns: argparse.Namespace) -> str | None:
-    """None when the data-parallel flags describe one replica (then logs that they do nothing)."""
-    size = getattr(ns, "data_parallel_size", None)
-    if size not in (None, 1):
-        return (f"--data-parallel-size {size}: data parallelism is not implemented yet in "
-                f"qwenserve; {REPLICAS_HINT}")
-    given = []
-    for flag, single in SINGLE_REPLICA.items():
-        value = getattr(ns, flag[2:].replace("-", "_"), None)
-        if value is None:
-            continue
-        if single is not None and value != single:
-            return (f"{flag} {value}: data parallelism is not implemented yet in qwenserve "
-                    f"(one replica per server); {REPLICAS_HINT}")
-        given.append(f"{flag} {value}")
-    if given:
-        logger.info("%s: no effect with one data-parallel replica", ", ".join(given))
+    """The first problem with the data-parallel flags, worded with the fix; None if usable."""
+    count = getattr(ns, "api_server_count", None)
+    if count not in (None, 1):
+        return (f"--api-server-count {count}: qwenserve runs one API server process per head; "
+                "each engine sends its outputs to that one process, and the load balancer's "
+                "state (requests in flight, prefixes) lives there. Remove it (one API process "
+                "serves thousands of streams), or run several servers behind a load balancer "
+                "(`qwenserve deploy nginx|haproxy`)")
+    size = ns.data_parallel_size
+    if size is not None and size < 1:
+        return f"--data-parallel-size {size}: must be >= 1"
+    size = size or 1
+    rank = ns.data_parallel_rank
+    if rank is not None and not 0 <= rank < size:
+        return f"--data-parallel-rank {rank}: must be in 0..{size - 1} (--data-parallel-size)"
+    if rank is not None and ns.headless:
+        return "--data-parallel-rank and --headless: give one (a rank behind its own server, or "\
+               "a node of engines for a head)"
+    if size > 1 and getattr(ns, "enable_expert_parallel", False):
+        return (f"--data-parallel-size {size} with --enable-expert-parallel: vLLM makes all "
+                "data-parallel ranks one MoE group (experts spread over TP x DP ranks, idle "
+                "ranks stepping dummy batches); qwenserve's replicas step independently and do "
+                "not form that group yet. Use --data-parallel-size 1 (experts over the tensor-"
+                "parallel ranks), or drop --enable-expert-parallel")
+    start = ns.data_parallel_start_rank or 0
+    local = ns.data_parallel_size_local
+    if rank is not None:
+        if local not in (None, 1) or start not in (0, rank):
+            return (f"--data-parallel-rank {rank} runs that one rank: drop "
+                    "--data-parallel-size-local and --data-parallel-start-rank")
+        return _log_single(ns, size)
+    if not 0 <= start < size:
+        return f"--data-parallel-start-rank {start}: must be in 0..{size - 1}"
+    local = size - start if local is None else local
+    if local < 1 or start + local > size:
+        return (f"--data-parallel-size-local {local} from rank {start}: must be 1.."
+                f"{size - start} (--data-parallel-size {size})")
+    if ns.headless:
+        if start == 0:
+            return ("--headless runs the ranks after the head's: give "
+                    "--data-parallel-start-rank (the head runs rank 0)")
+        return None
+    if start != 0:
+        return (f"--data-parallel-start-rank {start} without --headless: the head node runs "
+                "rank 0 onwards; start the other nodes with --headless")
+    return _log_single(ns, size)
+
+
+def _log_single(ns: argparse.Namespace, size: int) -> None:
+    if size == 1:
+        given = [f"{flag} {value}" for flag in FLAGS
+                 if (value := getattr(ns, flag[2:].replace("-", "_"), None)) is not None]
+        if given:
+            logger.info("%s: no effect with one data-parallel replica", ", ".join(given))
     return None

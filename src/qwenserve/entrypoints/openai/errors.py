@@ -58,7 +58,7 @@ def from_value_error(error: ValueError, param: str | None = None) -> OpenAIError
     """
     message = str(error)
     if param is None:
-        first = message.split(" ", 1)[0]
+        first = message.split(" ", 1)[0].rstrip(":").split(".")[0]  # "field.key: why" too
         param = first if first in SAMPLING_PARAM_NAMES else None
     return OpenAIError(message, 400, param)
 

@@ -124,6 +124,7 @@ class SamplingRequest(RequestBody):
     structured_outputs: StructuredOutputsRequest | None = None
     thinking_token_budget: int | None = Field(None, ge=0, le=INT64_MAX)
     request_id: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D disaggregation (the proxy sets it)
 
 
 class CompletionRequest(SamplingRequest):

@@ -106,7 +106,8 @@ FIELDS: tuple[RequestField, ...] = (
     _r("return_prompt_text", CHAT, False, "not implemented"),
     _r("routed_experts_prompt_start", note="not implemented"),
     _r("cache_salt", note="prefix-cache salting is not implemented"),
-    _r("kv_transfer_params", note="KV transfer (disaggregated serving) is not implemented"),
+    _h("kv_transfer_params", note="prefill/decode disaggregation: needs --kv-transfer-config "
+       "(docs/disaggregation.md)"),
     _r("ec_transfer_params", note="encoder-cache transfer is not implemented"),
     _r("vllm_xargs", note="custom logits-processor arguments are not implemented"),
     _r("repetition_detection", note="not implemented"),

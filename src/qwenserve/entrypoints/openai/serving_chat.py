@@ -366,5 +366,5 @@ async def chat_complete(
         "usage": usage_body,
         "system_fingerprint": None,
         "prompt_logprobs": prompt_logprobs_body(final.prompt_logprobs),
-        "kv_transfer_params": None,
+        "kv_transfer_params": final.kv_transfer_params,
     }

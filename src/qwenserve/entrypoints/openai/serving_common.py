@@ -27,6 +27,7 @@ from qwenserve.entrypoints.openai.errors import (
 )
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest
 from qwenserve.entrypoints.openai.request_fields import refuse_unsupported
+from qwenserve.kv_transfer.params import parse_kv_transfer_params
 from qwenserve.logger import init_logger
 from qwenserve.outputs import Logprob
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
@@ -273,6 +274,7 @@ def build_sampling_params(
             logit_bias=_logit_bias(req),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            kv_transfer_params=parse_kv_transfer_params(req.kv_transfer_params),
         )
     except (ValueError, TypeError) as e:
         raise from_value_error(ValueError(str(e))) from e
@@ -284,8 +286,11 @@ def engine_error(error: BaseException) -> OpenAIError:
         return error
     if isinstance(error, ValueError):
         return from_value_error(error)
-    from qwenserve.engine.async_engine import EngineDeadError
+    from qwenserve.engine.async_engine import EngineDeadError, RequestFailedError
 
+    if isinstance(error, RequestFailedError):
+        logger.error("A request failed: %s", error)
+        return OpenAIError(str(error), 503)
     if isinstance(error, EngineDeadError):
         logger.error("A request failed: the engine is not running (%s)", error)
         return OpenAIError("The engine is not running; the server must be restarted", 503)

@@ -80,6 +80,9 @@ def prepare_completion(
         raise bad_request("best_of other than n is not supported by qwenserve yet", "best_of")
     prompts = []
     source = None
+    if req.kv_transfer_params is not None and len(_prompt_list(req.prompt)) > 1:
+        raise bad_request("kv_transfer_params with several prompts is not implemented; send "
+                          "one prompt per request", "kv_transfer_params")
     for item in _prompt_list(req.prompt):
         if isinstance(item, str):
             state.check_prompt_chars(item)
@@ -183,7 +186,7 @@ async def complete(state: ServerState, job: CompletionJob) -> dict[str, Any]:
         **_chunk(job, choices),
         "usage": usage_body,
         "system_fingerprint": None,
-        "kv_transfer_params": None,
+        "kv_transfer_params": finals[0].kv_transfer_params if finals else None,
     }
 
 

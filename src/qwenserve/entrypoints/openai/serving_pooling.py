@@ -7,6 +7,8 @@
 
 A reranker scores ``query + document`` tokens (the tokenizer's text pair) as vLLM does; an
 embedding model's score is the cosine similarity of the two embeddings, also as vLLM does.
+Every prompt is one sequence under the server's admission caps (``--max-sequences-per-request``:
+400, ``--max-queued-sequences``: 429), and tokenizing runs on the CPU pool, as for generation.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ async def _pooled(state: ServerState, prompts: list[list[int]], prefix: str) -> 
         state.check_prompt_ids(ids)
     _, engine_id = state.request_ids(prefix, None)
     params = pooling_params()
-    gens = [state.engine.generate(ids, params, f"{engine_id}-{i}") for i, ids in
-            enumerate(prompts)]
+    state.admission.check(len(prompts))  # (no await between the check and the reservations)
+    gens = [state.admission.admit(state.engine.generate(ids, params, f"{engine_id}-{i}"), 1)
+            for i, ids in enumerate(prompts)]
     results: list[list[float] | None] = [None] * len(prompts)
     try:
         async for i, out in merge_async_iterators(*gens):
@@ -86,6 +89,26 @@ def _truncate(ids: list[int], keep: int | None, state: ServerState) -> list[int]
     if keep < 1:
         raise bad_request("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
     return ids[-keep:]
+
+
+def _tokenized(state: ServerState, items: list[str | list[int]], keep: int | None
+               ) -> list[list[int]]:
+    """Texts (length-checked before tokenizing) or token ids -> truncated prompts (CPU pool)."""
+    for x in items:
+        if isinstance(x, str):
+            state.check_prompt_chars(x, "input")
+    return [_truncate(state.tokenizer.encode(x) if isinstance(x, str) else list(x), keep, state)
+            for x in items]
+
+
+def _pair_prompts(state: ServerState, pairs: list[tuple[str, str]], keep: int | None
+                  ) -> list[list[int]]:
+    """A reranker's (query, document) text pairs -> truncated prompts (CPU pool)."""
+    for pair in pairs:
+        for text in pair:
+            state.check_prompt_chars(text, "documents")
+    return [_truncate(state.tokenizer(text=q, text_pair=d)["input_ids"], keep, state)
+            for q, d in pairs]
 
 
 def _usage(prompts: list[list[int]]) -> dict[str, int]:
@@ -113,8 +136,8 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> dict[str
     items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
         raise bad_request("input must not be empty", "input")
-    prompts = [_truncate(state.tokenizer.encode(x) if isinstance(x, str) else list(x),
-                         body.truncate_prompt_tokens, state) for x in items]
+    state.admission.check(len(items))  # before paying for tokenizing
+    prompts = await state.offload(_tokenized, state, items, body.truncate_prompt_tokens)
     pooled = await _pooled(state, prompts, "embd")
     try:
         vectors = [embedding(p, body.dimensions, body.normalize) for p in pooled]
@@ -136,13 +159,13 @@ async def _scores(state: ServerState, pairs: list[tuple[str, str]], truncate: in
                   prefix: str) -> tuple[list[float], list[list[int]]]:
     """One relevance score per (query, document) pair, and the prompts that were run."""
     pooler = state.engine.config.pooler
-    tok = state.tokenizer
     if pooler.kind == "classify":
-        prompts = [_truncate(tok(text=q, text_pair=d)["input_ids"], truncate, state)
-                   for q, d in pairs]
+        state.admission.check(len(pairs))  # before paying for tokenizing
+        prompts = await state.offload(_pair_prompts, state, pairs, truncate)
         return [relevance(p) for p in await _pooled(state, prompts, prefix)], prompts
     texts = list(dict.fromkeys([t for pair in pairs for t in pair]))
-    prompts = [_truncate(tok.encode(t), truncate, state) for t in texts]
+    state.admission.check(len(texts))
+    prompts = await state.offload(_tokenized, state, texts, truncate)
     vectors = dict(zip(texts, (embedding(p) for p in await _pooled(state, prompts, prefix)),
                        strict=True))
     return [math.fsum(a * b for a, b in zip(vectors[q], vectors[d], strict=True))

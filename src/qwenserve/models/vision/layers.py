@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from torch import nn
 from qwenserve.distributed.parallel_group import ParallelGroup
 from qwenserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from qwenserve.layers.varlen_attention import VarlenAttention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 _ACTIVATIONS: dict[str, Activation] = {
@@ -47,7 +50,7 @@ def rotate_vision(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, tp: ParallelGroup,
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
                  attention: VarlenAttention) -> None:
         super().__init__()
         dim, heads = cfg.hidden_size, cfg.num_heads
@@ -75,7 +78,7 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, tp: ParallelGroup) -> None:
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup) -> None:
         super().__init__()
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size,
                                                bias=True, dtype=dtype, tp=tp)
@@ -88,7 +91,7 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, tp: ParallelGroup,
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
                  attention: VarlenAttention) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS, dtype=dtype)
@@ -105,7 +108,7 @@ class VisionBlock(nn.Module):
 class PatchMerger(nn.Module):
     """``merge x merge`` neighbouring patches -> one token of the language model's width."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, tp: ParallelGroup,
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
                  norm_after_shuffle: bool) -> None:
         super().__init__()
         self.merged_size = cfg.hidden_size * cfg.spatial_merge_size**2

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from qwenserve.layers.varlen_attention import VarlenAttention, sdpa_varlen_atten
 from qwenserve.models.base import check_all_loaded
 from qwenserve.models.vision.grid import Grid, frame_cu_seqlens, pos_embed_taps, rotary_positions
 from qwenserve.models.vision.layers import PatchMerger, VisionBlock
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 VISION_PREFIX = "model.visual."
 
@@ -50,7 +53,7 @@ class VisionOutput:
 class Qwen3VisionTower(nn.Module):
     """Built from the HF ``vision_config``; heads, MLP and mergers split over ``tp``."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
                  attention: VarlenAttention = sdpa_varlen_attention) -> None:
         super().__init__()
         self.merge = cfg.spatial_merge_size

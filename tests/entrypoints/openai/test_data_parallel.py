@@ -1,0 +1,172 @@
+"""Data parallelism on real processes: ``--data-parallel-size 2`` (two engine-core processes
+behind one server), a ``--headless`` node joining a head over loopback TCP, and one replica
+killed. Per-engine figures come from /metrics' ``engine`` label, as vLLM reports them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from oai_server import RemoteServer, free_port
+
+ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "16M",
+        "--max-num-batched-tokens", "256"]
+PROMPTS = [f"Replica test {i}: the quick brown fox" for i in range(8)]
+
+
+def per_engine(server: RemoteServer, name: str, **labels: str) -> dict[str, float]:
+    """``{engine: value}`` of one metric family's samples matching ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(server.get("/metrics").text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
+    return out
+
+
+def _engine_pids(server: RemoteServer) -> list[int]:
+    children = psutil.Process(server.proc.pid).children()
+    return [c.pid for c in children if "qwenserve.engine.core_proc" in " ".join(c.cmdline())]
+
+
+def _complete(server: RemoteServer, prompt, max_tokens: int = 16, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _burst(server: RemoteServer, prompts: list, **extra) -> list[dict]:
+    results: list[dict] = [{}] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = _complete(server, prompts[i], **extra)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("dp") / "serve.log"
+    server = RemoteServer([tiny_model_path, *ARGS, "--data-parallel-size", "2",
+                           "--enable-prompt-tokens-details"], log,
+                          env={"QWENSERVE_SERVER_DEV_MODE": "1"})
+    yield server
+    server.stop(signal.SIGKILL)
+
+
+def test_two_engines_serve_greedy_outputs_equal_to_one_engine(dp_server, tiny_model_path):
+    from qwenserve import LLM, SamplingParams
+
+    assert len(_engine_pids(dp_server)) == 2
+    results = _burst(dp_server, PROMPTS)
+    llm = LLM(tiny_model_path, dtype="float32", max_model_len=512,
+              kv_cache_memory_bytes=16 << 20)
+    reference = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+    assert [r["choices"][0]["text"] for r in results] == [o.outputs[0].text for o in reference]
+    # the burst was spread: each engine finished some of it
+    done = per_engine(dp_server, "vllm:request_success_total", finished_reason="length")
+    assert set(done) == {"0", "1"} and min(done.values()) >= 2, done
+
+
+def test_a_shared_prefix_stays_on_the_engine_that_cached_it(dp_server):
+    prefix_a = list(range(100, 164))  # four full blocks
+    prefix_b = list(range(300, 364))
+    hits_before = per_engine(dp_server, "vllm:prefix_cache_hits_total")
+    # A goes first and keeps engine 0 busy, so B lands on engine 1
+    long_a = threading.Thread(target=_complete, args=(dp_server, [*prefix_a, 1]),
+                              kwargs={"max_tokens": 300, "ignore_eos": True})
+    long_a.start()
+    deadline = time.monotonic() + 30
+    while sum(per_engine(dp_server, "vllm:num_requests_running").values()) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    _complete(dp_server, [*prefix_b, 1])
+    long_a.join(timeout=120)
+    # One at a time, both engines idle: without affinity each would go to engine 0.
+    cached = [_complete(dp_server, [*prefix_b, 2 + i])["usage"]["prompt_tokens_details"]
+              ["cached_tokens"] for i in range(3)]
+    assert cached == [64, 64, 64]
+    hits = per_engine(dp_server, "vllm:prefix_cache_hits_total")
+    assert hits["1"] - hits_before.get("1", 0) == 3 * 64
+    assert hits["0"] == hits_before.get("0", 0)
+
+
+def test_reset_prefix_cache_reaches_every_engine(dp_server):
+    r = dp_server.post("/reset_prefix_cache")
+    assert r.status_code == 200, r.text
+    prefix_b = list(range(300, 364))
+    assert _complete(dp_server, [*prefix_b, 9])["usage"]["prompt_tokens_details"] \
+        ["cached_tokens"] == 0
+
+
+def test_killing_one_engine_takes_the_server_down(dp_server):
+    """Last in this module: one replica dies, the server exits 1 naming it (today's policy for
+    an engine death), and the other engine follows its API process out."""
+    survivor, victim = _engine_pids(dp_server)
+    os.kill(victim, signal.SIGKILL)
+    code = dp_server.proc.wait(timeout=30)
+    assert code == 1, dp_server.log()[-3000:]
+    assert "data-parallel engine" in dp_server.log() and "killed by SIGKILL" in dp_server.log()
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(survivor) and time.monotonic() < deadline:
+        if psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    assert not psutil.pid_exists(survivor) or \
+        psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_headless_node_joins_the_head_over_loopback(tiny_model_path, tmp_path):
+    port = free_port()
+    dp_flags = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port)]
+    node_log = tmp_path / "node.log"
+    env = {**os.environ, "QWENSERVE_LOGGING_LEVEL": "INFO"}
+    with open(node_log, "w") as log:  # the node may start first: it waits for the head
+        node = subprocess.Popen([sys.executable, "-m", "qwenserve.entrypoints.cli", "serve",
+                                 tiny_model_path, *ARGS, *dp_flags, "--headless",
+                                 "--data-parallel-start-rank", "1"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        head = RemoteServer([tiny_model_path, *ARGS, *dp_flags], tmp_path / "head.log")
+        try:
+            assert "Data-parallel rank 1 joined" in head.log()
+            assert len(_engine_pids(head)) == 1  # the other engine runs under the node
+            results = _burst(head, PROMPTS[:4])
+            assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+            done = per_engine(head, "vllm:request_success_total", finished_reason="length")
+            assert set(done) == {"0", "1"} and min(done.values()) >= 1, done
+        finally:
+            assert head.stop() == 0, head.log()[-3000:]
+        # the head told the node's engine to stop: the node exits cleanly
+        assert node.wait(timeout=60) == 0, node_log.read_text()[-3000:]
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+def test_a_node_without_a_head_gives_up_with_a_clear_line(tiny_model_path):
+    port = free_port()
+    node = subprocess.run(
+        [sys.executable, "-m", "qwenserve.entrypoints.cli", "serve", tiny_model_path, *ARGS,
+         "--headless", "--data-parallel-size", "2", "--data-parallel-start-rank", "1",
+         "--data-parallel-rpc-port", str(port)],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "QWENSERVE_ENGINE_READY_TIMEOUT_S": "2"})
+    assert node.returncode == 1
+    assert f"No head answered at 127.0.0.1:{port}" in node.stderr + node.stdout
