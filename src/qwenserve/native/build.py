@@ -62,7 +62,7 @@ def _compile(cxx: str, sources: tuple[str, ...], cflags: tuple[str, ...], target
             os.unlink(tmp)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> ctypes.CDLL | None:
     if not native_enabled():
         logger.info("native %s kernels off (QWENSERVE_NATIVE=0)%s", name, _FALLBACK)

@@ -1,4 +1,4 @@
-"""Pure-PyTorch paged attention: the CPU path and the oracle for faster backends.
+"""Pure-PyTorch paged attention: the reference for faster backends, and their fallback.
 
 Decodes (one query token) are batched into a single SDPA call over contexts gathered from the
 cache and padded to the longest; each prefill chunk gets its own causal SDPA call.
