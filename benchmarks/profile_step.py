@@ -62,18 +62,27 @@ def bucket(event) -> str:
     return "gemm" if event.name in GEMM_OPS else "norms/elementwise/other ops"
 
 
-def breakdown(prof, wall_s: float) -> dict[str, float]:
-    """Seconds per bucket over the profiled steps: top-level ops only (their children inside)."""
-    out: dict[str, float] = defaultdict(float)
+def top_level(prof):
+    """Ops not called by another op (a label in between does not count)."""
     for ev in prof.events():
         if ev.name in LABELS or ev.device_type.name != "CPU":
             continue
         parent = ev.cpu_parent
         while parent is not None and parent.name in LABELS:
             parent = parent.cpu_parent
-        if parent is not None:  # a child of another op: counted in its parent
-            continue
-        out[bucket(ev)] += ev.cpu_time_total / 1e6
+        if parent is None:  # else a child of another op: counted in its parent
+            yield ev
+
+
+def breakdown(prof, wall_s: float, other_ops: dict[str, float]) -> dict[str, float]:
+    """Seconds per bucket over the profiled steps: top-level ops only (their children inside).
+    ``other_ops`` gathers the seconds of each op in the norms/elementwise bucket."""
+    out: dict[str, float] = defaultdict(float)
+    for ev in top_level(prof):
+        name = bucket(ev)
+        out[name] += ev.cpu_time_total / 1e6
+        if name.startswith("norms"):
+            other_ops[ev.name] += ev.cpu_time_total / 1e6
     out["python/scheduler overhead"] = max(0.0, wall_s - sum(out.values()))
     return dict(out)
 
@@ -82,6 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen2.5-0.5b")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", default=None, help="a model folder instead of --shape")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled of each kind")
@@ -94,20 +104,22 @@ def main() -> None:
     instrument()
     from qwenserve import LLM, SamplingParams
 
-    llm = LLM(shaped_model(args.shape), dtype=args.dtype, max_model_len=1024)
+    llm = LLM(args.model or shaped_model(args.shape), dtype=args.dtype, max_model_len=1024)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    vocab = llm.llm_engine.config.model.hf_config.vocab_size
     for i, prompt in enumerate(workload()[: args.requests]):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), [t % vocab for t in prompt], params)
     times: dict[str, list[float]] = {"prefill": [], "decode": []}
     profiled: dict[str, list] = {"prefill": [], "decode": []}
-    step = 0
+    step, num_prefill_steps = 0, -(-args.requests * PROMPT_LEN // 2048)
     while engine.has_unfinished_requests():
-        kind = "prefill" if step < -(-args.requests * PROMPT_LEN // 2048) else "decode"
+        kind = "prefill" if step < num_prefill_steps else "decode"
         # profile prefill steps 1.. and decode steps from the middle of the decode phase
+        decode_step = step - num_prefill_steps
         want = (kind == "prefill" and 1 <= step <= args.profile_steps) or (
-            kind == "decode" and len(times["decode"]) in
-            range(args.output_len // 2, args.output_len // 2 + args.profile_steps))
+            kind == "decode" and args.output_len // 2 <= decode_step
+            < args.output_len // 2 + args.profile_steps)
         start = time.perf_counter()
         if want:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -121,9 +133,10 @@ def main() -> None:
     result = {}
     for kind in ("prefill", "decode"):
         total: dict[str, float] = defaultdict(float)
+        other_ops: dict[str, float] = defaultdict(float)
         wall = sum(w for _, w in profiled[kind])
         for prof, w in profiled[kind]:
-            for k, v in breakdown(prof, w).items():
+            for k, v in breakdown(prof, w, other_ops).items():
                 total[k] += v
         n = len(profiled[kind])
         print(f"\n{kind}: {len(times[kind])} unprofiled steps, median "
@@ -132,6 +145,9 @@ def main() -> None:
         print("| bucket | ms / step | share |\n|---|---|---|")
         for k, v in sorted(total.items(), key=lambda kv: -kv[1]):
             print(f"| {k} | {v / n * 1e3:.1f} | {v / wall:.0%} |")
+        top = sorted(other_ops.items(), key=lambda kv: -kv[1])[:6]
+        print("norms/elementwise, largest ops: " + ", ".join(
+            f"{name} {v / wall:.0%}" for name, v in top))
         result[kind] = {"median_step_s": statistics.median(times[kind]),
                         "sum_s": sum(times[kind]), **{k: v / n for k, v in total.items()}}
     print("RESULT " + json.dumps(result))
