@@ -53,36 +53,27 @@ def instrument() -> None:
         cls.forward = _label(cls.forward, "attention")
 
 
-def bucket(event) -> str:
-    parent = event
-    while parent is not None:
-        if parent.name in LABELS:
-            return parent.name
-        parent = parent.cpu_parent
-    return "gemm" if event.name in GEMM_OPS else "norms/elementwise/other ops"
-
-
 def top_level(prof):
-    """Ops not called by another op (a label in between does not count)."""
+    """Events that no other event encloses: ops outside any label, and the labels themselves
+    (a label's time includes what no torch op shows, e.g. a native kernel called by ctypes)."""
     for ev in prof.events():
-        if ev.name in LABELS or ev.device_type.name != "CPU":
-            continue
-        parent = ev.cpu_parent
-        while parent is not None and parent.name in LABELS:
-            parent = parent.cpu_parent
-        if parent is None:  # else a child of another op: counted in its parent
+        if ev.device_type.name == "CPU" and ev.cpu_parent is None:
             yield ev
 
 
 def breakdown(prof, wall_s: float, other_ops: dict[str, float]) -> dict[str, float]:
-    """Seconds per bucket over the profiled steps: top-level ops only (their children inside).
-    ``other_ops`` gathers the seconds of each op in the norms/elementwise bucket."""
+    """Seconds per bucket over the profiled steps. ``other_ops`` gathers the seconds of each
+    op in the norms/elementwise bucket."""
     out: dict[str, float] = defaultdict(float)
     for ev in top_level(prof):
-        name = bucket(ev)
-        out[name] += ev.cpu_time_total / 1e6
-        if name.startswith("norms"):
-            other_ops[ev.name] += ev.cpu_time_total / 1e6
+        seconds = ev.cpu_time_total / 1e6
+        if ev.name in LABELS:
+            out[ev.name] += seconds
+        elif ev.name in GEMM_OPS:
+            out["gemm"] += seconds
+        else:
+            out["norms/elementwise/other ops"] += seconds
+            other_ops[ev.name] += seconds
     out["python/scheduler overhead"] = max(0.0, wall_s - sum(out.values()))
     return dict(out)
 
