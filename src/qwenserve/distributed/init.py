@@ -140,6 +140,42 @@ def init_parallel_group(backend: str, rank: int, rdzv: Rendezvous,
                          cpu_group=cpu_group)
 
 
+def serve_store(world_size: int, timeout_s: float = 600.0) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store on a loopback port, served by a process that is not itself a rank (the
+    API process, for the expert-parallel group over data-parallel replicas): (store, port)."""
+    import torch.distributed as dist
+
+    listener = _listen(LOOPBACK, 0)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    return store, port
+
+
+def join_group_at(backend: str, rank: int, world_size: int, host: str, port: int,
+                  timeout_s: float = 600.0) -> ParallelGroup:
+    """Join a group whose store another process serves (``serve_store``)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout,
+                          wait_for_workers=False)
+    try:
+        with _gloo_on_loopback(host == LOOPBACK):
+            dist.init_process_group(backend=backend, store=store, rank=rank,
+                                    world_size=world_size, timeout=timeout)
+            world = dist.group.WORLD
+            cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo",
+                                                                       timeout=timeout)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return ParallelGroup(rank=rank, world_size=world_size, device_group=world,
+                         cpu_group=cpu_group)
+
+
 def _join_store(rank: int, rdzv: Rendezvous, listener: socket.socket | None,
                 timeout: datetime.timedelta) -> dist.TCPStore:
     import torch.distributed as dist

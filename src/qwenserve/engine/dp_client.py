@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qwenserve import envs
+from qwenserve.config import DataParallelRank
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_binding import parse_cores, usable_cores
 from qwenserve.engine.core_client import (
@@ -101,6 +102,7 @@ class DPCoreClient:
         self._calls: dict[int, _Gather] = {}
         self._sink: OutputSink | None = None
         self._closing = False
+        self.moe_group_store: object | None = None  # DP x EP: the replicas' rendezvous store
 
     @property
     def engine_indexes(self) -> tuple[int, ...]:
@@ -196,8 +198,11 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
                 f", rank(s) {_ranks(dp.remote_ranks)} joining at {dp.address}:{dp.rpc_port}"
                 if dp.remote_ranks else "")
     remote = RemoteReplicas(dp) if dp.remote_ranks else None
+    # DP x EP: the replicas form one MoE group; this process serves its rendezvous store.
+    store, placements = _moe_group_placements(engine_args, dp)
     starters: dict[int, Callable[[], Replica]] = {
-        rank: (lambda b=bindings[k], e=device_envs[k]: ProcCoreClient(engine_args, b, e))
+        rank: (lambda b=bindings[k], e=device_envs[k], p=placements.get(rank):
+               ProcCoreClient(engine_args, b, e, p))
         for k, rank in enumerate(dp.local_ranks)
     }
     if remote is not None:
@@ -215,8 +220,25 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
             remote.close_handshake()
         rank, error = min(errors.items())
         raise EngineStartupError(f"data-parallel engine {rank}: {error}") from error
-    return DPCoreClient(started, dp.local_ranks[0],
-                        remote.close_handshake if remote is not None else None)
+    client = DPCoreClient(started, dp.local_ranks[0],
+                          remote.close_handshake if remote is not None else None)
+    client.moe_group_store = store  # kept alive while the replicas run
+    return client
+
+
+def _moe_group_placements(engine_args: EngineArgs, dp: DataParallelConfig
+                          ) -> tuple[object | None, dict[int, DataParallelRank]]:
+    """With --enable-expert-parallel, each local replica's rank in the MoE group over all
+    replicas, and the store they meet at (served here on a loopback port)."""
+    if dp.size == 1 or not getattr(engine_args, "enable_expert_parallel", False):
+        return None, {}
+    from qwenserve.distributed.init import LOOPBACK, serve_store
+
+    store, port = serve_store(dp.size)
+    logger.info("Expert parallelism over %d data-parallel replicas: one MoE group, stepping "
+                "together", dp.size)
+    return store, {rank: DataParallelRank(rank, dp.size, LOOPBACK, port)
+                   for rank in dp.local_ranks}
 
 
 def replica_bindings(spec: str, available: list[int], num_local: int) -> list[str]:

@@ -178,6 +178,8 @@ class _Ranks:
 
 
 class MultiprocExecutor:
+    dp_group: ParallelGroup | None = None  # no data-parallel MoE group with tensor parallelism
+
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         check_tp_divides(config)
         check_no_process_group()

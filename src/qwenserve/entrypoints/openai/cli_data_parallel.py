@@ -1,9 +1,10 @@
 """vLLM's data-parallel flags, checked and resolved into ``DataParallelConfig``
 (``engine/dp_config.py`` says what each layout runs).
 
-Refused by name, with the reason: ``--enable-expert-parallel`` with more than one rank (vLLM
-makes all ranks one MoE group stepping together; qwenserve's replicas step independently), and
-``--api-server-count`` above 1 (each engine answers one API process).
+``--enable-expert-parallel`` with more than one rank makes the replicas one MoE group stepping
+together (``engine/dp_lockstep.py``), on one node with one rank per replica; the other layouts
+are refused by name, with what is missing. ``--api-server-count`` above 1 is refused (each
+engine answers one API process).
 """
 
 from __future__ import annotations
@@ -81,11 +82,9 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
         return "--data-parallel-rank and --headless: give one (a rank behind its own server, or "\
                "a node of engines for a head)"
     if size > 1 and getattr(ns, "enable_expert_parallel", False):
-        return (f"--data-parallel-size {size} with --enable-expert-parallel: vLLM makes all "
-                "data-parallel ranks one MoE group (experts spread over TP x DP ranks, idle "
-                "ranks stepping dummy batches); qwenserve's replicas step independently and do "
-                "not form that group yet. Use --data-parallel-size 1 (experts over the tensor-"
-                "parallel ranks), or drop --enable-expert-parallel")
+        problem = _expert_parallel_problem(ns, size)
+        if problem is not None:
+            return problem
     start = ns.data_parallel_start_rank or 0
     local = ns.data_parallel_size_local
     if rank is not None:
@@ -108,6 +107,33 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
         return (f"--data-parallel-start-rank {start} without --headless: the head node runs "
                 "rank 0 onwards; start the other nodes with --headless")
     return _log_single(ns, size)
+
+
+def _expert_parallel_problem(ns: argparse.Namespace, size: int) -> str | None:
+    """DP x EP (one MoE group over the replicas, stepping together) runs today on one node, with
+    one rank per replica; the rest is refused by name, with what is missing."""
+    head = (f"--data-parallel-size {size} with --enable-expert-parallel: qwenserve makes the "
+            "replicas one MoE group (experts spread over them, idle replicas stepping dummy "
+            "batches) ")
+    tp = getattr(ns, "tensor_parallel_size", 1) or 1
+    if tp > 1:
+        return (head + f"with --tensor-parallel-size 1 only; --tensor-parallel-size {tp} inside "
+                "each replica would need the MoE group to span the replicas' tensor-parallel "
+                "workers, which is not implemented. Use --tensor-parallel-size 1, or "
+                "--data-parallel-size 1 (experts over the tensor-parallel ranks)")
+    if ns.headless or ns.data_parallel_rank is not None or (
+            ns.data_parallel_size_local is not None and ns.data_parallel_size_local != size):
+        which = ("--headless" if ns.headless else "--data-parallel-rank"
+                 if ns.data_parallel_rank is not None else "--data-parallel-size-local")
+        return (head + f"on one node only; {which} (replicas on other nodes or behind other "
+                "servers) would need that group over TCP, which is not implemented. Run every "
+                "replica on the head node, or drop --enable-expert-parallel")
+    for flag in ("speculative_config", "kv_transfer_config"):
+        if getattr(ns, flag, None):
+            name = "--" + flag.replace("_", "-")
+            return (head + f"without {name}: each step must run exactly one forward pass on "
+                    f"every replica, which {name} does not keep to yet. Drop one of them")
+    return None
 
 
 def _log_single(ns: argparse.Namespace, size: int) -> None:
