@@ -1,12 +1,13 @@
-"""The MoE exchange over data-parallel replicas (DP x EP), on two gloo processes: each replica's
-tokens, whatever their count (zero for an idle replica), get the same output as the whole layer
-on one device."""
+"""The MoE exchange over data-parallel replicas (DP x EP), on gloo processes (2 replicas x 1 or
+2 tensor-parallel ranks): each replica's tokens, whatever their count (zero for an idle
+replica), get the same output as the whole layer on one device."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from qwenserve.distributed.init import LOOPBACK, serve_store
@@ -26,14 +27,14 @@ def whole_block() -> MoEBlock:
     return block
 
 
-def sharded_like(full: MoEBlock, dp_ep) -> MoEBlock:
-    block = MoEBlock(CFG, torch.float32, SINGLE, shared_intermediate_size=8, dp_ep=dp_ep)
-    inter = CFG.moe_intermediate_size
-    for e in range(CFG.num_experts):
-        block.experts.load_expert(e, "gate", full.experts.w13[e, :inter])
-        block.experts.load_expert(e, "up", full.experts.w13[e, inter:])
-        block.experts.load_expert(e, "down", full.experts.w2[e])
-    block.shared_expert.load_state_dict(full.shared_expert.state_dict())
+def sharded_like(full: MoEBlock, tp, dp_ep) -> MoEBlock:
+    block = MoEBlock(CFG, torch.float32, tp, shared_intermediate_size=8, dp_ep=dp_ep)
+    for mine, whole in ((block.experts, full.experts), (block.shared_expert, full.shared_expert)):
+        inter = whole.intermediate_size
+        for e in range(whole.num_experts):
+            mine.load_expert(e, "gate", whole.w13[e, :inter])
+            mine.load_expert(e, "up", whole.w13[e, inter:])
+            mine.load_expert(e, "down", whole.w2[e])
     block.shared_expert_gate.load_state_dict(full.shared_expert_gate.state_dict())
     block.gate.load_state_dict(full.gate.state_dict())
     return block
@@ -44,13 +45,13 @@ def inputs(rank: int, step: int) -> torch.Tensor:
     return torch.randn(TOKENS[rank][step], CFG.hidden_size)
 
 
-def replica(rank: int, port: int, results) -> None:
-    from qwenserve.distributed.init import join_group_at, leave_parallel_group
+def replica(rank: int, tp_size: int, tp_rank: int, port: int, results) -> None:
+    from qwenserve.distributed.init import join_data_parallel_groups, leave_parallel_group
 
     torch.set_num_threads(1)
-    group = join_group_at("gloo", rank, 2, LOOPBACK, port)
+    groups = join_data_parallel_groups("gloo", rank, 2, tp_size, tp_rank, LOOPBACK, port)
     try:
-        block = sharded_like(whole_block(), group)
+        block = sharded_like(whole_block(), groups.tp, groups.moe)
         held = block.experts.w13.shape[0]
         outs = []
         with torch.no_grad():
@@ -61,28 +62,31 @@ def replica(rank: int, port: int, results) -> None:
                 else:
                     block.run_idle()
                     outs.append(x)
-        results.put((rank, held, outs))
+        # as numpy: tensors would travel as shared memory, gone once this process exits
+        results.put(((rank, tp_rank), held, [o.numpy() for o in outs]))
     finally:
-        leave_parallel_group(group)
+        leave_parallel_group(groups.moe)
 
 
-def test_each_replica_gets_the_whole_layers_output():
-    store, port = serve_store(2)
+@pytest.mark.parametrize("tp_size, held", [(1, [3, 2]), (2, [2, 1, 1, 1])])
+def test_each_replica_gets_the_whole_layers_output(tp_size, held):
+    store, port = serve_store(2 * tp_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=replica, args=(r, port, results)) for r in (0, 1)]
+    procs = [ctx.Process(target=replica, args=(r, tp_size, t, port, results))
+             for r in (0, 1) for t in range(tp_size)]
     for p in procs:
         p.start()
-    got = dict((rank, (held, outs)) for rank, held, outs in
+    got = dict((where, (n, outs)) for where, n, outs in
                (results.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
     full = whole_block()
-    assert got[0][0] == 3 and got[1][0] == 2  # whole experts: 5 over two replicas
+    assert [got[k][0] for k in sorted(got)] == held  # whole experts: 5 over every rank
     with torch.no_grad():
-        for rank, (_, outs) in got.items():
-            for step, out in enumerate(outs):
+        for (rank, _), (_, outs) in got.items():
+            for step, out in enumerate(map(torch.from_numpy, outs)):
                 x = inputs(rank, step)
                 assert out.shape == x.shape
                 if len(x):

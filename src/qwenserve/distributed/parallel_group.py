@@ -62,7 +62,7 @@ class ParallelGroup:
         import torch.distributed as dist
 
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
+        dist.broadcast_object_list(box, group=self.cpu_group, group_src=src)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qwenserve import envs
 from qwenserve.config import DataParallelRank
@@ -39,6 +39,9 @@ from qwenserve.engine.core_messages import (
 from qwenserve.engine.dp_config import DataParallelConfig
 from qwenserve.engine.dp_router import DPRouter
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 logger = init_logger(__name__)
 
@@ -102,7 +105,7 @@ class DPCoreClient:
         self._calls: dict[int, _Gather] = {}
         self._sink: OutputSink | None = None
         self._closing = False
-        self.moe_group_store: object | None = None  # DP x EP: the replicas' rendezvous store
+        self.moe_group_store: TCPStore | None = None  # DP x EP: the replicas' rendezvous store
 
     @property
     def engine_indexes(self) -> tuple[int, ...]:
@@ -201,8 +204,8 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
     # DP x EP: the replicas form one MoE group; this process serves its rendezvous store.
     store, placements = _moe_group_placements(engine_args, dp)
     starters: dict[int, Callable[[], Replica]] = {
-        rank: (lambda b=bindings[k], e=device_envs[k], p=placements.get(rank):
-               ProcCoreClient(engine_args, b, e, p))
+        rank: (lambda b=bindings[k], e=device_envs[k], r=rank:
+               ProcCoreClient(engine_args, b, e, placements.get(r)))
         for k, rank in enumerate(dp.local_ranks)
     }
     if remote is not None:
@@ -227,7 +230,7 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
 
 
 def _moe_group_placements(engine_args: EngineArgs, dp: DataParallelConfig
-                          ) -> tuple[object | None, dict[int, DataParallelRank]]:
+                          ) -> tuple[TCPStore | None, dict[int, DataParallelRank]]:
     """With --enable-expert-parallel, each local replica's rank in the MoE group over all
     replicas, and the store they meet at (served here on a loopback port)."""
     if dp.size == 1 or not getattr(engine_args, "enable_expert_parallel", False):

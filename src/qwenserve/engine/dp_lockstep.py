@@ -36,7 +36,7 @@ def serve_in_lockstep(core: EngineCore, group: ParallelGroup, inbox: zmq.Socket,
             command: Command = pickle.loads(inbox.recv())
             stopping = not core.apply(command)
             timeout_ms = 0
-        here = core.engine.has_unfinished_requests()
+        here = core.has_step_to_run()
         any_work, stop = group.max_flags([int(here), int(stopping)])
         if stop:
             core.engine.shutdown()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.plan import CachePlan
 from qwenserve.core.sched_output import ModelOutput, SchedulerOutput
-from qwenserve.distributed.init import join_group_at, leave_parallel_group
+from qwenserve.distributed.init import join_data_parallel_groups, leave_parallel_group
 from qwenserve.distributed.parallel_group import ParallelGroup
 from qwenserve.worker.worker import Worker
 
@@ -26,11 +26,14 @@ class UniprocExecutor:
         # (its experts are this rank's share); the engine core steps in lock with the others.
         self.dp_group: ParallelGroup | None = None
         placement = config.parallel.data_parallel
+        moe_group = None
         if placement is not None:
-            self.dp_group = join_group_at(platform.dist_backend, placement.rank, placement.size,
-                                          placement.host, placement.port)
+            groups = join_data_parallel_groups(platform.dist_backend, placement.rank,
+                                               placement.size, 1, 0, placement.host,
+                                               placement.port)
+            self.dp_group, moe_group = groups.drivers, groups.moe
         try:
-            self.worker = Worker(config, platform, dp_ep=self.dp_group)
+            self.worker = Worker(config, platform, dp_ep=moe_group)
             self.worker.load_model()
         except BaseException:
             self._leave_group()

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from qwenserve.distributed.parallel_group import ParallelGroup
-
     from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)

@@ -283,10 +283,11 @@ class MoEBlock(SparseMoeBlock):
     replicated on every rank, so the all-gather/reduce-scatter dispatch of vLLM's all-to-all
     backends reduces to this when there is no data parallelism.
 
-    With data parallelism (``dp_ep``: one group over the data-parallel replicas, tensor parallel
-    size 1) each replica has its own tokens and whole experts of its own: ``forward`` all-gathers
-    every replica's tokens (padded to the largest count), runs this rank's experts on all of them,
-    adds its own tokens' shared expert in its own rows, all-reduces and keeps its own rows::
+    With data parallelism (``dp_ep``: one group over every rank of every data-parallel replica)
+    each replica has its own tokens and each rank whole experts of its own: ``forward``
+    all-gathers every replica's tokens (padded to the largest count), runs this rank's experts on
+    all of them, adds its own tokens' shared expert (its tensor-parallel slice) in its replica's
+    rows, all-reduces and keeps its replica's rows::
 
         replica r: x [n_r, H] --all-gather--> [R*m, H] --local experts--> partial [R*m, H]
                    + shared(x) in rows r*m .. r*m+n_r --all-reduce--> keep rows r*m .. r*m+n_r
@@ -297,10 +298,7 @@ class MoEBlock(SparseMoeBlock):
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
                  shared_intermediate_size: int = 0, renormalize: bool | None = None,
                  expert_parallel: bool = False, dp_ep: ParallelGroup | None = None) -> None:
-        if dp_ep is not None and dp_ep.world_size > 1:
-            if tp.world_size > 1:
-                raise ValueError("expert parallelism over data-parallel replicas needs "
-                                 "--tensor-parallel-size 1")
+        if dp_ep is not None and dp_ep.world_size > tp.world_size:
             ep = dp_ep
         else:
             dp_ep, ep = None, tp
@@ -325,16 +323,20 @@ class MoEBlock(SparseMoeBlock):
         return self._forward_across_replicas(x, self.dp_ep)
 
     def _forward_across_replicas(self, x: torch.Tensor, ep: ParallelGroup) -> torch.Tensor:
-        n = x.shape[0]
+        """The tokens are the same on a replica's tensor-parallel ranks: gathered over all
+        ranks, one copy per replica is kept (its tensor-parallel rank 0's)."""
+        n, tp = x.shape[0], self.tp.world_size
         counts = ep.all_gather(torch.tensor([n], dtype=torch.int64), dim=0).tolist()
         m = max(counts)
         if m == 0:
             return x
         padded = x.new_zeros(m, x.shape[1])
         padded[:n] = x
-        everyone = ep.all_gather(padded, dim=0)  # [R*m, H]
+        gathered = ep.all_gather(padded, dim=0)  # [R*tp*m, H]
+        everyone = gathered.view(-1, tp, m, x.shape[1])[:, 0].reshape(-1, x.shape[1])  # [R*m, H]
         out = self.experts(everyone, self.gate(everyone))
-        own = slice(ep.rank * m, ep.rank * m + n)
+        replica = ep.rank // tp
+        own = slice(replica * m, replica * m + n)
         if self.shared_expert is not None and n:
             se = self.shared_expert
             out[own] += torch.sigmoid(self.shared_expert_gate(x)) * swiglu(x, se.w13[0],

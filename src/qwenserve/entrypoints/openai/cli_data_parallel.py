@@ -110,17 +110,11 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
 
 
 def _expert_parallel_problem(ns: argparse.Namespace, size: int) -> str | None:
-    """DP x EP (one MoE group over the replicas, stepping together) runs today on one node, with
-    one rank per replica; the rest is refused by name, with what is missing."""
+    """DP x EP (one MoE group over every rank of every replica, stepping together) runs today on
+    one node; the rest is refused by name, with what is missing."""
     head = (f"--data-parallel-size {size} with --enable-expert-parallel: qwenserve makes the "
-            "replicas one MoE group (experts spread over them, idle replicas stepping dummy "
-            "batches) ")
-    tp = getattr(ns, "tensor_parallel_size", 1) or 1
-    if tp > 1:
-        return (head + f"with --tensor-parallel-size 1 only; --tensor-parallel-size {tp} inside "
-                "each replica would need the MoE group to span the replicas' tensor-parallel "
-                "workers, which is not implemented. Use --tensor-parallel-size 1, or "
-                "--data-parallel-size 1 (experts over the tensor-parallel ranks)")
+            "replicas one MoE group (experts spread over every rank, idle replicas stepping "
+            "dummy batches) ")
     if ns.headless or ns.data_parallel_rank is not None or (
             ns.data_parallel_size_local is not None and ns.data_parallel_size_local != size):
         which = ("--headless" if ns.headless else "--data-parallel-rank"
@@ -128,11 +122,9 @@ def _expert_parallel_problem(ns: argparse.Namespace, size: int) -> str | None:
         return (head + f"on one node only; {which} (replicas on other nodes or behind other "
                 "servers) would need that group over TCP, which is not implemented. Run every "
                 "replica on the head node, or drop --enable-expert-parallel")
-    for flag in ("speculative_config", "kv_transfer_config"):
-        if getattr(ns, flag, None):
-            name = "--" + flag.replace("_", "-")
-            return (head + f"without {name}: each step must run exactly one forward pass on "
-                    f"every replica, which {name} does not keep to yet. Drop one of them")
+    if getattr(ns, "speculative_config", None):
+        return (head + "without --speculative-config: each step must run exactly one forward "
+                "pass on every replica, and speculative decoding may run more. Drop one of them")
     return None
 
 
