@@ -141,12 +141,16 @@ def init_parallel_group(backend: str, rank: int, rdzv: Rendezvous,
                          cpu_group=cpu_group)
 
 
-def serve_store(world_size: int, timeout_s: float = 600.0) -> tuple[dist.TCPStore, int]:
-    """A rendezvous store on a loopback port, served by a process that is not itself a rank (the
-    API process, for the expert-parallel group over data-parallel replicas): (store, port)."""
+def serve_store(world_size: int, timeout_s: float = 600.0, host: str = LOOPBACK,
+                port: int = 0) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store, served by a process that is not itself a rank (the API process, for
+    the expert-parallel group over data-parallel replicas): (store, port). On a loopback port
+    by default; on ``host:port`` for other nodes (on every interface when ``host`` is not one
+    of this host's addresses)."""
     import torch.distributed as dist
 
-    listener = _listen(LOOPBACK, 0)
+    listener = _listen(LOOPBACK, 0) if host == LOOPBACK and not port else \
+        _listen_for_nodes(host, port)
     port = listener.getsockname()[1]
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,

@@ -232,16 +232,34 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
 def _moe_group_placements(engine_args: EngineArgs, dp: DataParallelConfig
                           ) -> tuple[TCPStore | None, dict[int, DataParallelRank]]:
     """With --enable-expert-parallel, each local replica's rank in the MoE group over all
-    replicas, and the store they meet at (served here on a loopback port)."""
-    if dp.size == 1 or not getattr(engine_args, "enable_expert_parallel", False):
+    replicas, and the store they meet at when this process serves it: on a loopback port when
+    every replica is here, else on --data-parallel-address, port --data-parallel-rpc-port + 1,
+    served by rank 0's process (a head, or the server of --data-parallel-rank 0)."""
+    placements = moe_group_placements(engine_args, dp)
+    if not placements:
         return None, {}
     from qwenserve.distributed.init import LOOPBACK, serve_store
 
-    store, port = serve_store(dp.size)
-    logger.info("Expert parallelism over %d data-parallel replicas: one MoE group, stepping "
-                "together", dp.size)
-    return store, {rank: DataParallelRank(rank, dp.size, LOOPBACK, port)
-                   for rank in dp.local_ranks}
+    tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
+    world = dp.size * tp
+    logger.info("Expert parallelism over %d data-parallel replicas x %d rank(s): one MoE group "
+                "of %d ranks, stepping together", dp.size, tp, world)
+    if not dp.spans_processes:
+        store, port = serve_store(world)
+        return store, {rank: DataParallelRank(rank, dp.size, LOOPBACK, port)
+                       for rank in placements}
+    store = serve_store(world, host=dp.address, port=dp.moe_group_port)[0] \
+        if 0 in dp.local_ranks else None
+    return store, placements
+
+
+def moe_group_placements(engine_args: EngineArgs, dp: DataParallelConfig
+                         ) -> dict[int, DataParallelRank]:
+    """Each local replica's place in the MoE group over the replicas (none without it)."""
+    if dp.size == 1 or not getattr(engine_args, "enable_expert_parallel", False):
+        return {}
+    return {rank: DataParallelRank(rank, dp.size, dp.address, dp.moe_group_port)
+            for rank in dp.local_ranks}
 
 
 def replica_bindings(spec: str, available: list[int], num_local: int) -> list[str]:

@@ -2,8 +2,8 @@
 (``engine/dp_config.py`` says what each layout runs).
 
 ``--enable-expert-parallel`` with more than one rank makes the replicas one MoE group stepping
-together (``engine/dp_lockstep.py``), on one node with one rank per replica; the other layouts
-are refused by name, with what is missing. ``--api-server-count`` above 1 is refused (each
+together (``engine/dp_lockstep.py``), on one node or several (the group's store on the head at
+``--data-parallel-address``, port ``--data-parallel-rpc-port`` + 1). ``--api-server-count`` above 1 is refused (each
 engine answers one API process).
 """
 
@@ -37,7 +37,7 @@ def add_data_parallel_flags(group: AddsArguments) -> None:
                        help="The first rank this node runs (with --headless).")
     group.add_argument("--data-parallel-rank", "-dpn", type=int, default=None,
                        help="Run only this rank behind this server (vLLM's external load "
-                       "balancing: one server per rank; dense models).")
+                       "balancing: one server per rank).")
     group.add_argument("--data-parallel-address", "-dpa", default=None,
                        help=f"The head node's address (default {DEFAULT_ADDRESS}).")
     group.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
@@ -110,21 +110,13 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
 
 
 def _expert_parallel_problem(ns: argparse.Namespace, size: int) -> str | None:
-    """DP x EP (one MoE group over every rank of every replica, stepping together) runs today on
-    one node; the rest is refused by name, with what is missing."""
-    head = (f"--data-parallel-size {size} with --enable-expert-parallel: qwenserve makes the "
-            "replicas one MoE group (experts spread over every rank, idle replicas stepping "
-            "dummy batches) ")
-    if ns.headless or ns.data_parallel_rank is not None or (
-            ns.data_parallel_size_local is not None and ns.data_parallel_size_local != size):
-        which = ("--headless" if ns.headless else "--data-parallel-rank"
-                 if ns.data_parallel_rank is not None else "--data-parallel-size-local")
-        return (head + f"on one node only; {which} (replicas on other nodes or behind other "
-                "servers) would need that group over TCP, which is not implemented. Run every "
-                "replica on the head node, or drop --enable-expert-parallel")
+    """DP x EP: one MoE group over every rank of every replica, stepping together; refused with
+    speculative decoding, which may run several forward passes in a step."""
     if getattr(ns, "speculative_config", None):
-        return (head + "without --speculative-config: each step must run exactly one forward "
-                "pass on every replica, and speculative decoding may run more. Drop one of them")
+        return (f"--speculative-config with --data-parallel-size {size} and "
+                "--enable-expert-parallel: the replicas form one MoE group stepping together, "
+                "one forward pass per step on every replica, and speculative decoding may run "
+                "more; the two are not supported together yet. Drop one of them")
     return None
 
 
