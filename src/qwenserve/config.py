@@ -100,7 +100,7 @@ class SpeculativeConfig:
     """How drafts are proposed (``--speculative-config``, parsed in ``spec_decode/config.py``).
     ``disable_by_batch_size``: no drafts while this many or more requests run (vLLM's knob)."""
 
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "mtp" (the checkpoint's own head)
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields, replace
 
-from qwenserve.kv_transfer.params import KVTransferParams
+from qwenserve.kv_transfer.params import KVTransferParams, parse_kv_transfer_params
 from qwenserve.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
@@ -74,6 +74,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.kv_transfer_params, dict):  # as the API field (or vLLM) spells it
+            self.kv_transfer_params = parse_kv_transfer_params(self.kv_transfer_params)
         self._validate()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other truncations cannot change the argmax.

@@ -176,3 +176,16 @@ def test_one_step_never_saves_two_checkpoints_into_one_slot():
     saves = cm.allocate(a, 1).state_saves
     assert len(saves) == 1 and saves[0][0] == cm.state_slot(a.request_id)  # b found no slot
     assert cm.lookup_prefix(make_request(prompt=[1] * 9)).checkpoint_slot == saves[0][1]
+
+
+def test_mtp_lookahead_slots_are_allocated_up_to_max_model_len():
+    """MTP draft steps write the head's KV past the step's tokens: those slots come with the
+    step's allocation, but never past max_model_len (a full-length request still fits)."""
+    cm = CacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False,
+                      num_lookahead_tokens=2, max_model_len=16)
+    req = make_request(num_tokens=7)
+    assert len(cm.allocate(req, 7).new_block_ids) == 3  # 7 + 2 slots -> 3 blocks
+    req.num_computed_tokens = 7
+    assert len(cm.allocate(req, 1).new_block_ids) == 0  # 8 + 2 -> still 3
+    req.num_computed_tokens = 14
+    assert len(cm.allocate(req, 2).new_block_ids) == 1  # 16 (+2 capped at 16) -> 4 blocks

@@ -71,3 +71,15 @@ def test_qwen3_next(tiny_model):
     args = engine_args(tiny_model("qwen3_next"), command("Qwen3-Next.md", 133))
     args.max_model_len = 1024
     generates(args)
+
+
+def test_qwen3_5_dense_with_mtp(tiny_model):
+    """Qwen3.5-Dense.md: the checkpoint's MTP head ("qwen3_5_mtp", 1 token) at TP=1, fp16
+    DeltaNet state, eager drafter flags as written."""
+    from helpers.tiny_models import add_mtp_head
+
+    path = add_mtp_head(tiny_model("qwen3_5", mtp_num_hidden_layers=1))
+    args = engine_args(path, command("Qwen3.5-Dense.md", 188))
+    assert '"qwen3_5_mtp"' in str(args.speculative_config).replace("'", '"')
+    args.max_model_len = 1024
+    generates(args)

@@ -150,3 +150,50 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
 @torch.no_grad()
 def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0]
+
+
+def hf_mtp_layer(path: str) -> Any:
+    """A transformers decoder layer shaped like the checkpoint's MTP layer: full attention, with
+    the MLP layer 0 would have (MoE in MoE checkpoints). Also the tests' reference layer."""
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(path)
+    config._attn_implementation = "sdpa"  # causal without an explicit mask
+    model = tf.AutoModelForCausalLM.from_config(config)
+    types = config.layer_types
+    moe0 = type(model.model.layers[0].mlp)
+    idx = next(i for i, t in enumerate(types)
+               if t == "full_attention" and type(model.model.layers[i].mlp) is moe0)
+    return model.model.layers[idx]
+
+
+def add_mtp_head(path: str, seed: int = 1) -> str:
+    """Add random ``mtp.*`` tensors (fc, pre-fc norms, one layer, norm) to a tiny Qwen3.5 /
+    Qwen3-Next checkpoint, and ``mtp_num_hidden_layers: 1`` to its config (skipped if there)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    if any(n.startswith("mtp.") for n in tensors):
+        return path
+    layer = hf_mtp_layer(path)
+    hidden = layer.input_layernorm.weight.shape[0]
+    head = torch.nn.Module()
+    head.layer = layer
+    head.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        setattr(head, norm, torch.nn.Module())
+        getattr(head, norm).weight = torch.nn.Parameter(torch.zeros(hidden))
+    randomize_(head, seed)
+    for name, tensor in head.state_dict().items():
+        name = name.replace("layer.", "layers.0.", 1) if name.startswith("layer.") else name
+        tensors["mtp." + name] = tensor.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path

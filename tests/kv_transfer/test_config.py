@@ -72,3 +72,15 @@ def test_block_server_survives_garbage_and_refuses_unknown_requests(monkeypatch)
     finally:
         ctx.destroy(linger=0)
         server.close()
+
+
+def test_data_parallel_ranks_get_their_own_kv_ports():
+    from qwenserve.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(tensor_parallel_size=2, kv_transfer_config={
+        "kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer", "kv_port": "30000"})
+    assert args.for_data_parallel_rank(0) is args
+    assert parse_kv_transfer_config(
+        args.for_data_parallel_rank(3).kv_transfer_config).kv_port == 30006
+    plain = EngineArgs()
+    assert plain.for_data_parallel_rank(2) is plain

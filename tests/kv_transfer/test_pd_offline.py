@@ -39,7 +39,7 @@ def test_pd_offline_equals_single(tiny_model, arch, prefix_caching):
     assert all(a["remote_has_state"] == (arch != "qwen2") for a in answers)
     pulled = [consumer.generate([{"prompt_token_ids": p}], SamplingParams(
         temperature=0, max_tokens=8, ignore_eos=True,
-        kv_transfer_params=parse_kv_transfer_params(a)))[0].outputs[0].token_ids
+        kv_transfer_params=a))[0].outputs[0].token_ids  # a dict, as the API passes it
         for p, a in zip(PROMPTS, answers, strict=True)]
     assert pulled == single
     engine = producer.llm_engine

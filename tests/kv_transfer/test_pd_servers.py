@@ -82,8 +82,8 @@ def test_producer_gone_fails_clearly(consumer):
     ({"do_remote_prefill": True}, "needs ['remote_engine_id'"),
     ({"do_remote_decode": True}, "this server is a kv_consumer"),
     ({"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "h",
-      "remote_port": 1, "remote_block_ids": [0], "remote_request_id": "r", "tp_size": 2},
-     "tensor-parallel-size 2"),
+      "remote_port": 1, "remote_block_ids": [0, 1], "remote_request_id": "r",
+      "remote_block_size": 32}, "same --block-size"),
 ])
 def test_bad_params_are_refused_by_name(consumer, params, needle):
     out = _completion(consumer.base_url, model=_model(consumer), kv_transfer_params=params)

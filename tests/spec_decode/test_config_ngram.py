@@ -20,9 +20,21 @@ def test_parse_ngram_json_and_defaults():
     assert c.method == "draft_model" and c.model == "/m"
 
 
+def test_parse_mtp_methods_and_default_tokens():
+    for method in ("mtp", "qwen3_5_mtp", "qwen3_next_mtp"):
+        c = parse_speculative_config({"method": method, "num_speculative_tokens": 3,
+                                      "enforce_eager": True})
+        assert c == SpeculativeConfig("mtp", 3)
+    # No num_speculative_tokens: the checkpoint's mtp_num_hidden_layers, as vLLM's n_predict.
+    assert parse_speculative_config('{"method": "qwen3_5_mtp"}').num_speculative_tokens == 1
+    assert parse_speculative_config({"method": "mtp"}, mtp_layers=2).num_speculative_tokens == 2
+
+
 @pytest.mark.parametrize("value, words", [
     ('{"method": "eagle3", "num_speculative_tokens": 2}', "eagle3"),
-    ('{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}', "MTP"),
+    ('{"method": "qwen3_5_mtp", "model": "/m"}', "model"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+     "prompt_lookup_max"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "foo"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}',

@@ -301,3 +301,20 @@ def test_the_vision_tower_is_counted_in_the_model_dtype(tmp_path, capsys):
     grow = by_tp(large)[1]["activation_reserve_bytes"] - by_tp(small)[1]["activation_reserve_bytes"]
     patches = 1024 * cfg.spatial_merge_size**2  # 1024 more language-model tokens of images
     assert grow > patches * 4 * cfg.hidden_size * 2
+
+
+def test_mtp_adds_its_kv_layer_and_head_weights(tmp_path, capsys):
+    """--speculative-config method mtp: one more paged KV layer (the head's attention) per
+    token, and the head's weights (fc [H, 2H], one decoder layer, three norms)."""
+    path = write_model(tmp_path, "Qwen3.5-27B")
+    argv = ("--max-model-len", "32768", "--device", "h200", "--tp", "1")
+    _, plain = plan(capsys, path, *argv)
+    _, mtp = plan(capsys, path, *argv, "--speculative-config",
+                  '{"method": "qwen3_5_mtp", "num_speculative_tokens": 3}')
+    c = text_config("Qwen3.5-27B")
+    full = sum(t == "full_attention" for t in c["layer_types"])
+    p, m = by_tp(plain)[1], by_tp(mtp)[1]
+    assert m["kv_bytes_per_token"] * full == p["kv_bytes_per_token"] * (full + 1)
+    assert (m["weight_bytes_per_device"] - p["weight_bytes_per_device"]
+            > 2 * c["hidden_size"] ** 2 * 2)
+    assert "--speculative-config" in mtp["commands"]["qwenserve"]

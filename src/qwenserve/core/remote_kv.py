@@ -59,10 +59,10 @@ class RemoteKV:
         if remote.block_size is not None and remote.block_size != bs:
             return (f"the producer's --block-size is {remote.block_size}, this server's is "
                     f"{bs}; start both with the same --block-size")
-        if remote.tp_size != self.tp_size:
+        if remote.tp_size != self.tp_size and has_states:
             return (f"the producer runs --tensor-parallel-size {remote.tp_size}, this server "
-                    f"{self.tp_size}; different tp_size between prefill and decode is "
-                    "not supported yet")
+                    f"{self.tp_size}: a hybrid model's recurrent state moves only between "
+                    "equal tensor-parallel sizes; give prefill and decode the same tp_size")
         if ((remote.num_tokens is not None and remote.num_tokens < n)
                 or len(remote.block_ids) < -(-n // bs)):
             return (f"the producer holds KV for {remote.num_tokens} tokens in "

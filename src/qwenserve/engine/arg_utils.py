@@ -31,7 +31,7 @@ from qwenserve.multimodal.config import (
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
-from qwenserve.spec_decode.config import parse_speculative_config
+from qwenserve.spec_decode.config import mtp_num_layers, parse_speculative_config
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -267,7 +267,8 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
-        speculative = parse_speculative_config(self.speculative_config)
+        speculative = parse_speculative_config(self.speculative_config,
+                                               mtp_num_layers(model_config.hf_config))
         kv_transfer = self._kv_transfer_config()
         draft_model = None
         if speculative is not None and speculative.model:  # the drafter, in the target's dtype
@@ -309,6 +310,16 @@ class EngineArgs:
             multimodal=self._multimodal_config(),
             kv_transfer=kv_transfer,
         )
+
+    def for_data_parallel_rank(self, rank: int) -> EngineArgs:
+        """This replica's options: under ``--kv-transfer-config`` its ranks serve KV on
+        ``kv_port + rank * tp + tp_rank`` (vLLM Ascend's layout), so replicas never collide."""
+        config = parse_kv_transfer_config(self.kv_transfer_config)
+        if config is None or not rank:
+            return self
+        port = config.kv_port + rank * max(self.tensor_parallel_size, 1)
+        return dataclasses.replace(self, kv_transfer_config={**self.kv_transfer_config,
+                                                             "kv_port": port})
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
         """``--kv-transfer-config``, with what qwenserve's transfer cannot serve yet refused."""

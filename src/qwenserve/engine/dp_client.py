@@ -204,8 +204,8 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
     # DP x EP: the replicas form one MoE group; this process serves its rendezvous store.
     store, placements = _moe_group_placements(engine_args, dp)
     starters: dict[int, Callable[[], Replica]] = {
-        rank: (lambda b=bindings[k], e=device_envs[k], r=rank:
-               ProcCoreClient(engine_args, b, e, placements.get(r)))
+        rank: (lambda b=bindings[k], e=device_envs[k], r=rank: ProcCoreClient(
+            engine_args.for_data_parallel_rank(r), b, e, placements.get(r)))
         for k, rank in enumerate(dp.local_ranks)
     }
     if remote is not None:

@@ -75,7 +75,8 @@ def run_headless(engine_args: EngineArgs, dp: DataParallelConfig) -> int:
             env = {**os.environ, **device_envs[k]} if device_envs[k] else None
             procs[rank] = subprocess.Popen([sys.executable, "-m", "qwenserve.engine.core_proc"],
                                            stdin=subprocess.PIPE, env=env)
-            send_message(procs[rank], CoreProcArguments(engine_args, welcome.input_address,
+            send_message(procs[rank], CoreProcArguments(engine_args.for_data_parallel_rank(rank),
+                                                        welcome.input_address,
                                                         welcome.output_address, bindings[k],
                                                         placements.get(rank)))
             logger.info("Data-parallel rank %d: engine process %d, serving the head at %s:%d",
@@ -140,4 +141,4 @@ def _wait(procs: dict[int, subprocess.Popen], stop: threading.Event,
             logger.error("The head is gone and %d engine(s) still run; stopping them", len(procs))
             return 1
         time.sleep(0.2)
-    return 1 if stop.is_set() and procs else code
+    return code  # a signal stops the engines (finally: their stdin closes): a clean stop

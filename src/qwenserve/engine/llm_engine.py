@@ -28,6 +28,7 @@ from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
 from qwenserve.request import Request, RequestStatus
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode.config import mtp_lookahead_tokens
 from qwenserve.structured_output.service import GrammarService
 
 if TYPE_CHECKING:
@@ -53,7 +54,9 @@ class LLMEngine:
         self.plan = self.executor.plan_cache()
         self.executor.init_cache(self.plan)
         self.cache = CacheManager(self.plan.num_blocks, config.cache.block_size,
-                                  config.cache.enable_prefix_caching, self.plan.num_state_slots)
+                                  config.cache.enable_prefix_caching, self.plan.num_state_slots,
+                                  mtp_lookahead_tokens(config.speculative),
+                                  config.scheduler.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.cache, config.kv_transfer,
                                    config.parallel.tensor_parallel_size)
         self.scheduler.remote.hold_timeout_s = envs.kv_hold_timeout_s()

@@ -23,6 +23,7 @@ from qwenserve import envs
 from qwenserve.core.sched_output import KVPull, ModelOutput, SchedulerOutput
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.config import KVTransferConfig
+from qwenserve.kv_transfer.heads import PullPart, pull_plan
 from qwenserve.kv_transfer.transport import KVBlockServer, pull_blocks
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.logger import init_logger
@@ -34,8 +35,10 @@ IDLE_WAIT_S = 0.005  # a step with nothing to run waits this long for a transfer
 
 class KVTransferAgent:
     def __init__(self, config: KVTransferConfig, caches: ModelCaches, block_size: int,
-                 rank: int) -> None:
-        self.config, self.caches, self.block_size, self.rank = config, caches, block_size, rank
+                 tp: ParallelGroup, num_kv_heads: int) -> None:
+        self.config, self.caches, self.block_size = config, caches, block_size
+        self.rank, self.tp_size, self.num_kv_heads = tp.rank, tp.world_size, num_kv_heads
+        rank = tp.rank
         self._events: queue.SimpleQueue[tuple[str, str, str | None]] = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="qwenserve-kv-pull")
@@ -57,15 +60,24 @@ class KVTransferAgent:
             self._in_flight += 1
             self._pool.submit(self._pull, pull)
 
+    def _parts(self, pull: KVPull) -> list[PullPart]:
+        """Same TP on both sides: rank r pulls all of rank r's heads; else ``heads.py``."""
+        if pull.remote.tp_size == self.tp_size:
+            return [PullPart(self.rank, [], [], 1)]
+        return pull_plan(self.rank, self.tp_size, pull.remote.tp_size, self.num_kv_heads)
+
     def _pull(self, pull: KVPull) -> None:
-        remote = pull.remote
-        address = f"tcp://{remote.host}:{remote.port + self.rank}"
-        request = {"request_id": remote.request_id, "engine_id": remote.engine_id,
-                   "block_ids": remote.block_ids[: len(pull.block_ids)]}
-        error = None
+        remote, error, address = pull.remote, None, ""
+        same_tp = remote.tp_size == self.tp_size
         try:
-            pull_blocks(self._ctx, address, request, self.caches, pull.block_ids,
-                        self.block_size, envs.kv_pull_timeout_s(), pull.state_slot)
+            for part in self._parts(pull):
+                address = f"tcp://{remote.host}:{remote.port + part.remote_rank}"
+                request = {"request_id": remote.request_id, "engine_id": remote.engine_id,
+                           "block_ids": remote.block_ids[: len(pull.block_ids)],
+                           "heads": None if same_tp else part.src, "expect": part.expect}
+                pull_blocks(self._ctx, address, request, self.caches, pull.block_ids,
+                            self.block_size, envs.kv_pull_timeout_s(), pull.state_slot,
+                            None if same_tp else part.dst)
         except Exception as e:  # noqa: BLE001 - the request fails, the engine lives on
             error = str(e)
             logger.warning("KV pull of request %s from %s failed: %s", pull.request_id,

@@ -2,12 +2,16 @@
 consumer's pull. Works wherever torch and TCP do (CPU, CUDA, Ascend NPU).
 
     consumer (DEALER)                                producer (ROUTER, kv_ip:kv_port + rank)
-    {"request_id", "engine_id", "block_ids"}  --->   the request is held? gather its blocks
+    {"request_id", "engine_id", "block_ids",  --->   the request is held? gather its blocks
+     "heads", "expect"}                              (only those local KV heads, when given)
                                               <---   {"ok", "block_size", "layers": [...]},
                                                      then one frame per attention layer:
                                                      K|V of those blocks, [2, n * bs, Hkv, D]
                                                      (hybrid models: then the held state
                                                      slot's conv and SSM state per layer)
+
+A producer rank releases a hold after ``expect`` pulls (several consumer ranks pull from it when
+the two sides run different tensor-parallel sizes: ``heads.py``).
 
 A pull for a request the producer has not registered yet (its hold reaches the workers one
 step after the answer left) waits there up to ``PENDING_S`` before it is refused.
@@ -55,6 +59,7 @@ class KVBlockServer:
         self.caches, self.block_size, self.engine_id = caches, block_size, engine_id
         self.on_sent = on_sent
         self.holds: dict[str, tuple[list[int], int | None]] = {}  # -> blocks, state slot
+        self._pulls: dict[str, int] = {}  # pulls served so far, per held request
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -78,6 +83,7 @@ class KVBlockServer:
     def release(self, request_id: str) -> None:
         with self._lock:
             self.holds.pop(request_id, None)
+            self._pulls.pop(request_id, None)
 
     def close(self) -> None:
         self._stop.set()
@@ -131,25 +137,37 @@ class KVBlockServer:
         if not isinstance(wanted, list) or wanted != held[: len(wanted)] or not wanted:
             return self._send_error(identity, f"block ids {wanted} are not request "
                                     f"{request_id}'s blocks {held}")
+        heads = header.get("heads")
         try:
-            frames, layers = self._gather(wanted)
-            states = _gather_state(self.caches, state_slot, frames)
+            frames, layers = self._gather(wanted, heads)
+            states = _gather_state(self.caches, state_slot if heads is None else None, frames)
         except Exception as e:  # noqa: BLE001 - told to the consumer, the server lives on
             logger.exception("Serving KV of request %s failed", request_id)
             return self._send_error(identity, f"the producer failed to read the blocks: {e}")
         meta = {"ok": True, "block_size": self.block_size, "layers": layers, "states": states}
         self._sock.send_multipart([identity, b"", json.dumps(meta).encode(), *frames])
-        self.release(request_id)
-        self.on_sent(request_id)
+        with self._lock:
+            self._pulls[request_id] = self._pulls.get(request_id, 0) + 1
+            done = self._pulls[request_id] >= int(header.get("expect") or 1)
+        if done:
+            self.release(request_id)
+            self.on_sent(request_id)
         return None
 
-    def _gather(self, block_ids: list[int]) -> tuple[list[bytes], list[dict]]:
+    def _gather(self, block_ids: list[int], heads: list[int] | None
+                ) -> tuple[list[bytes], list[dict]]:
         frames, layers = [], []
-        slots = None
+        if heads == []:  # a release-only ping: nothing to send
+            return frames, layers
+        slots = index = None
         for layer_id, kv in sorted(self.caches.kv.items()):
             if slots is None:
                 slots = block_slots(block_ids, self.block_size, kv.device)
-            data = kv.index_select(1, slots).cpu().contiguous()  # [2, n * bs, Hkv, D]
+                index = None if heads is None else torch.tensor(heads, device=kv.device)
+            data = kv.index_select(1, slots)  # [2, n * bs, Hkv, D]
+            if index is not None:
+                data = data.index_select(2, index)  # [2, n * bs, len(heads), D]
+            data = data.cpu().contiguous()
             frames.append(data.view(torch.uint8).numpy().tobytes())
             layers.append({"layer_id": layer_id, "dtype": str(data.dtype),
                            "shape": list(data.shape)})
@@ -175,7 +193,7 @@ def _gather_state(caches: ModelCaches, slot: int | None, frames: list[bytes]) ->
 
 def pull_blocks(ctx: zmq.Context, address: str, request: dict, caches: ModelCaches,
                 block_ids: list[int], block_size: int, timeout_s: float,
-                state_slot: int | None = None) -> None:
+                state_slot: int | None = None, dst_heads: list[int] | None = None) -> None:
     """Fetch a request's blocks (and, hybrid models, its state into ``state_slot``) from the
     producer at ``address``; ``RuntimeError`` saying what went wrong."""
     sock = ctx.socket(zmq.DEALER)
@@ -194,7 +212,9 @@ def pull_blocks(ctx: zmq.Context, address: str, request: dict, caches: ModelCach
     if not meta.get("ok"):
         raise RuntimeError(f"the producer at {address} refused: {meta.get('error')}")
     kv_frames = frames[: len(meta["layers"])]
-    _write(meta, kv_frames, caches.kv, block_ids, block_size)
+    if dst_heads == []:  # a release-only ping
+        return
+    _write(meta, kv_frames, caches.kv, block_ids, block_size, dst_heads)
     _write_state(meta.get("states") or [], frames[len(kv_frames):], caches, state_slot)
 
 
@@ -220,7 +240,7 @@ def _write_state(states: list[dict], frames: list[bytes], caches: ModelCaches,
 
 
 def _write(meta: dict, frames: list[bytes], kv: dict[int, torch.Tensor], block_ids: list[int],
-           block_size: int) -> None:
+           block_size: int, dst_heads: list[int] | None) -> None:
     layers = meta["layers"]
     if meta["block_size"] != block_size or sorted(x["layer_id"] for x in layers) != sorted(kv):
         raise RuntimeError("the producer's KV layout (block size or attention layers) differs "
@@ -228,7 +248,8 @@ def _write(meta: dict, frames: list[bytes], kv: dict[int, torch.Tensor], block_i
     slots = None
     for layer, frame in zip(layers, frames, strict=True):
         cache = kv[layer["layer_id"]]
-        shape = [2, len(block_ids) * block_size, *cache.shape[2:]]
+        num_heads = cache.shape[2] if dst_heads is None else len(dst_heads)
+        shape = [2, len(block_ids) * block_size, num_heads, cache.shape[3]]
         if layer["shape"] != shape or layer["dtype"] != str(cache.dtype):
             raise RuntimeError(f"the producer's KV of layer {layer['layer_id']} is "
                                f"{layer['dtype']} {layer['shape']}, this server needs "
@@ -237,4 +258,9 @@ def _write(meta: dict, frames: list[bytes], kv: dict[int, torch.Tensor], block_i
         data = torch.frombuffer(bytearray(frame), dtype=_DTYPES[layer["dtype"]]).view(shape)
         if slots is None:
             slots = block_slots(block_ids, block_size, cache.device)
-        cache.index_copy_(1, slots, data.to(cache.device))
+        data = data.to(cache.device)
+        if dst_heads is None:
+            cache.index_copy_(1, slots, data)
+            continue
+        for i, head in enumerate(dst_heads):  # a view of the cache: written in place
+            cache[:, :, head].index_copy_(1, slots, data[:, :, i])

@@ -70,14 +70,17 @@ def check_safetensors_file(path: str) -> dict:
     return header
 
 
-def iter_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield tensors one at a time; only the current shard is mapped in memory."""
+def iter_safetensors(paths: list[str], prefixes: tuple[str, ...] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield tensors one at a time; only the current shard is mapped in memory.
+    ``prefixes``: only the tensors whose names start with one (the others are never read)."""
     from safetensors import safe_open
 
     for path in paths:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if prefixes is None or name.startswith(prefixes):
+                    yield name, f.get_tensor(name)
 
 
 def iter_weights(source: ModelSource, hf_config) -> Iterator[tuple[str, torch.Tensor]]:

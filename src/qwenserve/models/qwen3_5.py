@@ -9,7 +9,9 @@
 
 Full-attention layers use the paged KV cache; DeltaNet layers use one state slot per sequence.
 Checkpoints of the vision-language model nest the text model under ``model.language_model.``;
-the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped.
+the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped
+here; the head is loaded on its own (``qwen3_5_mtp.py``) when ``--speculative-config`` asks
+for MTP.
 
 Qwen3-Next (``Qwen3NextForCausalLM``) is the same network with two fused DeltaNet projections
 whose rows are grouped per key head (``in_proj_qkvz``, ``in_proj_ba``); they are regrouped into
@@ -219,6 +221,21 @@ class Qwen3_5ForCausalLM(DenseForCausalLM):
             RecurrentStateSpec(linear, (cfg.linear_conv_kernel_dim - 1) * conv_dim
                                * kv_dtype_bytes, ssm),
         ]
+
+    @classmethod
+    def mtp_cache_specs(cls, hf_config: PretrainedConfig, tp_size: int, kv_dtype_bytes: int
+                        ) -> list[CacheSpec]:
+        """The MTP head's paged KV layer (``--speculative-config`` method mtp)."""
+        from qwenserve.models.qwen3_5_mtp import mtp_cache_spec
+
+        return [mtp_cache_spec(hf_config, tp_size, kv_dtype_bytes)]
+
+    def make_mtp_head(self, ctx: ModelContext) -> nn.Module:
+        """The checkpoint's multi-token-prediction head, sharing this model's embedding,
+        rotary embedding and LM head (``models/qwen3_5_mtp.py``)."""
+        from qwenserve.models.qwen3_5_mtp import Qwen3_5MTP
+
+        return Qwen3_5MTP(ctx, self)
 
     def allocate_state(self, num_state_slots: int, device: torch.device
                        ) -> list[RecurrentState]:

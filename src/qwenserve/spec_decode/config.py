@@ -6,22 +6,25 @@ honoured here or refused by name.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve.config import SpeculativeConfig
 from qwenserve.json_option import json_object_option
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
-MTP_METHODS = ("mtp", "qwen3_5_mtp", "qwen3_next_mtp")
+MTP = "mtp"
+# vLLM's names for the checkpoint's own multi-token-prediction head; all run as ``mtp``.
+MTP_METHODS = (MTP, "qwen3_5_mtp", "qwen3_next_mtp")
 REFUSED_METHODS = {
     "eagle": "EAGLE heads are not implemented in qwenserve",
     "eagle3": "EAGLE-3 heads are not implemented in qwenserve",
     "medusa": "Medusa heads are not implemented in qwenserve",
     "mlp_speculator": "MLP speculators are not implemented in qwenserve",
     "suffix": "suffix decoding is not implemented in qwenserve",
-    **{m: "MTP heads are not implemented in qwenserve yet (no trained weights loaded)"
-       for m in MTP_METHODS},
 }
 # vLLM keys that are accepted only at their neutral value (anything else is refused by name).
 _NEUTRAL = {
@@ -38,8 +41,11 @@ _KNOWN = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
           "prompt_lookup_max", "disable_by_batch_size", *_NEUTRAL}
 
 
-def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
-    """JSON text or a dict -> config (None: no speculation); ``ValueError`` names the fix."""
+def parse_speculative_config(value: str | dict[str, Any] | None,
+                             mtp_layers: int = 1) -> SpeculativeConfig | None:
+    """JSON text or a dict -> config (None: no speculation); ``ValueError`` names the fix.
+    ``mtp_layers``: the checkpoint's ``mtp_num_hidden_layers``, MTP's default
+    ``num_speculative_tokens`` (as vLLM's ``n_predict``)."""
     if value is None or value == "":
         return None
     if isinstance(value, SpeculativeConfig):
@@ -55,15 +61,20 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
                              "in qwenserve; remove it")
     method = value.get("method") or (DRAFT_MODEL if value.get("model") else None)
     if method is None:
-        raise ValueError('--speculative-config needs "method": "ngram" or "draft_model" '
-                         '(with "model")')
+        raise ValueError('--speculative-config needs "method": "ngram", "draft_model" '
+                         '(with "model") or "mtp"')
     if method in REFUSED_METHODS:
         raise ValueError(f"--speculative-config method {method!r}: {REFUSED_METHODS[method]}; "
-                         "use ngram or draft_model")
-    if method not in (NGRAM, DRAFT_MODEL):
-        raise ValueError(f"--speculative-config method {method!r} is unknown; use ngram or "
-                         "draft_model")
-    k = _int(value, "num_speculative_tokens", None)
+                         "use ngram, draft_model or mtp")
+    if method in MTP_METHODS:
+        if value.get("model"):
+            raise ValueError(f'--speculative-config method {method!r} uses the target '
+                             'checkpoint\'s own mtp.* head; remove "model"')
+        method = MTP
+    if method not in (NGRAM, DRAFT_MODEL, MTP):
+        raise ValueError(f"--speculative-config method {method!r} is unknown; use ngram, "
+                         "draft_model or mtp")
+    k = _int(value, "num_speculative_tokens", mtp_layers if method == MTP else None)
     if k is None or k < 1:
         raise ValueError("--speculative-config needs num_speculative_tokens >= 1")
     config = SpeculativeConfig(method=method, num_speculative_tokens=k,
@@ -77,6 +88,11 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             raise ValueError("--speculative-config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {lo} and {hi}")
         config = SpeculativeConfig(NGRAM, k, lo, hi, None, config.disable_by_batch_size)
+    elif method == MTP:
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if value.get(key) is not None:
+                raise ValueError(f"--speculative-config {key} applies to method ngram only; "
+                                 "remove it")
     elif not config.model:
         raise ValueError('--speculative-config method draft_model needs "model": the '
                          "drafter's folder (same vocabulary as the target)")
@@ -94,3 +110,21 @@ def _int(value: dict[str, Any], key: str, default: int | None) -> int | None:
     if isinstance(got, bool) or not isinstance(got, int):
         raise ValueError(f"--speculative-config {key} must be an integer, got {got!r}")
     return got
+
+
+def mtp_num_layers(hf_config: PretrainedConfig) -> int:
+    """How many MTP layers a checkpoint's config declares (``mtp_num_hidden_layers``, or
+    ``num_nextn_predict_layers``); 1 when it says nothing, as vLLM assumes."""
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        got = getattr(hf_config, key, None)
+        if isinstance(got, int) and got > 0:
+            return got
+    return 1
+
+
+def mtp_lookahead_tokens(config: SpeculativeConfig | None) -> int:
+    """KV slots to allocate past each step's tokens: MTP draft steps 2..k write the head's KV
+    at the k - 1 positions after the last one the target computes."""
+    if config is None or config.method != MTP:
+        return 0
+    return config.num_speculative_tokens - 1

@@ -15,10 +15,11 @@ Drafts are argmaxes (q one-hot), which the rejection sampler accepts with probab
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from qwenserve.core.sched_output import ScheduledChunk
 from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
@@ -38,7 +39,8 @@ class DraftModelProposer:
         self.num_tokens = num_tokens
         self.disable_by_batch_size = disable_by_batch_size
 
-    def forward(self, batch: ForwardBatch) -> None:
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None,
+                chunks: Sequence[ScheduledChunk] = ()) -> None:
         """Run the target's batch through the drafter: its KV for the step's tokens."""
         self.model(batch.input_ids, batch.positions, batch, self.caches)
 

@@ -128,7 +128,7 @@ class ModelRunner:
         if self.pooler is not None:
             return self._pooled(chunks, hidden[batch.logits_indices])
         if self.proposer is not None:
-            self.proposer.forward(batch)
+            self.proposer.forward(batch, hidden, chunks)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}

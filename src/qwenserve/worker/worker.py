@@ -8,6 +8,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from qwenserve.config import EngineConfig, ModelConfig
 from qwenserve.core.cache.plan import (
@@ -26,15 +27,19 @@ from qwenserve.core.sched_output import (
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.agent import KVTransferAgent
 from qwenserve.layers.backends import Backends
+from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.moe import run_idle_moe
 from qwenserve.logger import init_logger
 from qwenserve.models.base import CausalLM, ModelClass, ModelContext
 from qwenserve.models.dummy_weights import fill_dummy_weights
-from qwenserve.models.loader import iter_weights
+from qwenserve.models.loader import iter_safetensors, iter_weights, safetensors_files
+from qwenserve.models.qwen3_5_mtp import MTP_PREFIXES
 from qwenserve.models.registry import load_model_class
 from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.sampling_params import SamplingParams
+from qwenserve.spec_decode.config import MTP
 from qwenserve.spec_decode.draft_model import DraftModelProposer
+from qwenserve.spec_decode.mtp import MtpProposer
 from qwenserve.spec_decode.proposer import NgramLookup, Proposer
 from qwenserve.spec_decode.support import check_speculative
 from qwenserve.structured_output.request_grammars import RequestGrammars
@@ -74,7 +79,14 @@ class Worker:
         self.draft_specs = [] if draft is None else self.draft_cls.cache_specs(
             draft.hf_config, tp.world_size, self.dtype.itemsize)
         self.draft_model: CausalLM | None = None
-        check_speculative(config, self.specs, self.draft_specs)
+        # MTP: the checkpoint's own head, its attention KV one more paged layer of the target.
+        self.use_mtp = config.speculative is not None and config.speculative.method == MTP
+        check_speculative(config, self.specs, self.draft_specs,
+                          hasattr(self.model_cls, "make_mtp_head"))
+        if self.use_mtp:
+            self.specs = self.specs + self.model_cls.mtp_cache_specs(
+                config.model.hf_config, tp.world_size, self.dtype.itemsize)
+        self.mtp_head: nn.Module | None = None
         self._model: CausalLM | None = None
         self.runner: ModelRunner | None = None
         self.plan: CachePlan | None = None
@@ -88,6 +100,8 @@ class Worker:
         if self.draft_cls is not None:
             self.draft_model = self._load(self.config.draft_model, self.draft_cls, None,
                                           is_draft=True)
+        if self.use_mtp:
+            self.mtp_head = self._load_mtp_head()
         self.load_s = time.perf_counter() - start
 
     @property
@@ -131,6 +145,25 @@ class Worker:
         model.eval()
         return model
 
+    def _load_mtp_head(self) -> nn.Module:
+        """The target checkpoint's ``mtp.*`` head (unquantized; only its tensors are read)."""
+        mc = self.config.model
+        if mc.source.is_gguf:
+            raise ValueError(f"{mc.name}: GGUF files carry no MTP head; --speculative-config "
+                             "method mtp needs the safetensors checkpoint")
+        ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
+                           max_model_len=mc.max_model_len, tp=self.tp, backends=self.backends,
+                           ssm_dtype=self.ssm_dtype,
+                           expert_parallel=self.config.parallel.enable_expert_parallel)
+        with torch.device(self.device):
+            head = self.model.make_mtp_head(ctx)
+        if self.config.load_format == "dummy":
+            fill_dummy_weights(head, self.config.seed + 1)
+        else:
+            head.load_weights(iter_safetensors(safetensors_files(mc.source.folder), MTP_PREFIXES),
+                              mc.source.folder)
+        return head.eval()
+
     def _quant(self) -> QuantConfig | None:
         if self.config.model.quantization is None:
             return None
@@ -140,7 +173,8 @@ class Worker:
 
     def weight_bytes(self) -> int:
         seen, total = set(), 0
-        for tensor in list(self.model.parameters()) + list(self.model.buffers()):
+        modules = [self.model] + ([self.mtp_head] if self.mtp_head is not None else [])
+        for tensor in [t for m in modules for t in [*m.parameters(), *m.buffers()]]:
             if tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())
                 total += tensor.numel() * tensor.element_size()
@@ -204,20 +238,25 @@ class Worker:
         self.runner = ModelRunner(self.model, caches, self.backends, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed,
                                   self.has_state, grammars, self.config.pooler,
-                                  self._proposer(plan))
+                                  self._proposer(plan, caches))
         if self.config.kv_transfer is not None:
             self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
-                                            self.tp.rank)
+                                            self.tp,
+                                            self.config.model.hf_config.num_key_value_heads)
 
     @property
     def has_state(self) -> bool:
         """Whether the model has recurrent-state layers (the runner builds their metadata)."""
         return any(isinstance(s, RecurrentStateSpec) for s in self.specs)
 
-    def _proposer(self, plan: CachePlan) -> Proposer | None:
+    def _proposer(self, plan: CachePlan, caches: ModelCaches) -> Proposer | None:
         spec = self.config.speculative
         if spec is None or not self.tp.is_driver:
             return None
+        if self.use_mtp:
+            return MtpProposer(self.mtp_head, caches, self.backends.attention, plan.block_size,
+                               self.device, spec.num_speculative_tokens,
+                               self.config.scheduler.max_model_len, spec.disable_by_batch_size)
         if self.draft_model is None:
             return NgramLookup(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                spec.num_speculative_tokens, spec.disable_by_batch_size)

@@ -53,8 +53,13 @@ class Allocation:
 
 class CacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_lookahead_tokens: int = 0,
+                 max_model_len: int | None = None) -> None:
         self.block_size = block_size
+        # MTP drafting writes the head's KV up to this many positions past a step's tokens:
+        # their slots are allocated with the step's (never past max_model_len).
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.kv = PagedKVManager(num_blocks, block_size, enable_prefix_caching)
         self.states: StateSlotManager | NoStateSlots = (
@@ -79,7 +84,10 @@ class CacheManager:
         num_tokens = num_new_tokens if exact else self.states.limit(req, start, num_new_tokens)
         computed = hit.block_ids if hit is not None else []
         checkpoint = hit.checkpoint_slot if hit is not None else None
-        num_missing = self.kv.num_missing(req, start + num_tokens, computed)
+        end = start + num_tokens
+        if self.num_lookahead_tokens:
+            end = max(end, min(end + self.num_lookahead_tokens, self.max_model_len or end))
+        num_missing = self.kv.num_missing(req, end, computed)
         if num_missing is None or not self.states.acquire(req.request_id, keep=checkpoint):
             return None
         out = Allocation(self.kv.allocate(req, computed, num_missing), num_tokens,

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fixed KV budget per device (as the serve flag; CPU default 4 GiB)")
     parser.add_argument("--target-concurrency", type=float, default=1.0,
                         help="sequences of --max-model-len tokens that must fit at once")
+    parser.add_argument("--speculative-config", default=None,
+                        help="serve's flag; method mtp adds the checkpoint's MTP head (weights "
+                        "and one paged KV layer) to the plan")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 def make_report(args: argparse.Namespace) -> dict:
     from qwenserve.models.model_config import resolve_max_model_len
+    from qwenserve.spec_decode.config import MTP, mtp_num_layers, parse_speculative_config
     from qwenserve.tools.plan.model import load_config
     from qwenserve.tools.plan.quant import checkpoint_quantization, qwenserve_problem
 
@@ -81,12 +85,16 @@ def make_report(args: argparse.Namespace) -> dict:
     checkpoint = checkpoint_quantization(hf_config, model.folder)
     quant = args.quantization or checkpoint.width
 
+    speculative = parse_speculative_config(getattr(args, "speculative_config", None),
+                                           mtp_num_layers(hf_config))
+    mtp = speculative is not None and speculative.method == MTP
+
     def inputs(tp: int) -> PlanInputs:
         return PlanInputs(hf_config, model.architecture, dtype, tp, max_len, args.max_num_seqs,
                           args.max_num_batched_tokens, block_size, quant,
                           KV_DTYPE_BYTES[args.kv_cache_dtype],
                           SSM_DTYPE_BYTES[args.mamba_ssm_cache_dtype],
-                          args.enable_expert_parallel)
+                          args.enable_expert_parallel, mtp)
 
     plans = _plans(args, hf_config, inputs, _budget_function(args, device))
     chosen = _choose(plans, args.target_concurrency, max_len)

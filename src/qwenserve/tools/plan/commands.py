@@ -58,6 +58,8 @@ def build_commands(c: CommandInputs) -> Commands:
         flags += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     if a.block_size:
         flags += ["--block-size", str(a.block_size)]
+    if getattr(a, "speculative_config", None):
+        flags += ["--speculative-config", a.speculative_config]
     if a.kv_cache_memory_bytes is not None:
         flags += ["--kv-cache-memory-bytes", str(a.kv_cache_memory_bytes)]
     elif c.device_kind != "cpu":
@@ -100,9 +102,20 @@ def _qwenserve(c: CommandInputs, flags: list[str], out: Commands) -> None:
             "(--kv-cache-dtype is vLLM's only); plan without it for qwenserve"
         )
         return
+    if c.tp > 1 and _uses_mtp(c.args):
+        out.notes.append("no qwenserve command: MTP speculative decoding runs with "
+                         "--tensor-parallel-size 1 only in qwenserve")
+        return
     if c.args.quantization == "int8":
         flags += ["--quantization", "int8"]
     out.qwenserve = _line("qwenserve", c.args.model, flags)
+
+
+def _uses_mtp(args: argparse.Namespace) -> bool:
+    from qwenserve.spec_decode.config import MTP, parse_speculative_config
+
+    spec = parse_speculative_config(getattr(args, "speculative_config", None))
+    return spec is not None and spec.method == MTP
 
 
 def _vllm(c: CommandInputs, flags: list[str], out: Commands) -> None:

@@ -36,6 +36,7 @@ class PlanInputs:
     kv_dtype_bytes: int | None = None
     ssm_dtype_bytes: int = 4  # --mamba-ssm-cache-dtype
     expert_parallel: bool = False  # --enable-expert-parallel: rank 0 holds the most experts
+    mtp: bool = False  # --speculative-config method mtp: the head's weights and KV layer
 
 
 @dataclass
@@ -60,8 +61,14 @@ def cache_specs(inputs: PlanInputs) -> list[CacheSpec]:
     from qwenserve.models.registry import load_model_class
 
     model_bytes = _DTYPE_BYTES[inputs.dtype]
-    specs = load_model_class(inputs.architecture).cache_specs(
-        inputs.hf_config, inputs.tp, model_bytes, inputs.ssm_dtype_bytes)
+    model_cls = load_model_class(inputs.architecture)
+    specs = model_cls.cache_specs(inputs.hf_config, inputs.tp, model_bytes,
+                                  inputs.ssm_dtype_bytes)
+    if inputs.mtp:  # the MTP head's attention: one more paged KV layer
+        if not hasattr(model_cls, "mtp_cache_specs"):
+            raise ValueError(f"--speculative-config method mtp: {inputs.architecture} has no "
+                             "multi-token-prediction head in qwenserve")
+        specs = specs + model_cls.mtp_cache_specs(inputs.hf_config, inputs.tp, model_bytes)
     kv_bytes = inputs.kv_dtype_bytes or model_bytes
     return [replace(s, dtype_bytes=kv_bytes) if isinstance(s, PagedKVSpec) else s for s in specs]
 
@@ -84,6 +91,7 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
                        expert_parallel=inputs.expert_parallel)
     with torch.device("meta"):
         model = load_model_class(inputs.architecture)(ctx)
+        head = model.make_mtp_head(ctx) if inputs.mtp else None
     # Linear weight matrices take the quantized width; norms and MoE routers stay in the model
     # dtype. Load-time int8 is the engine's own: MoE experts stay float, the embedding and
     # lm_head tables become int8. Checkpoint formats (w8a8, fp8, awq, gptq) quantize experts.
@@ -102,7 +110,8 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
     overhead = QUANT_GROUP_OVERHEAD.get(inputs.quantization, 0.0)
     seen: set[int] = set()
     totals = {"linear": 0, "other": 0, "scales": 0, "vision": 0}
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    modules = [model] + ([head] if head is not None else [])
+    for tensor in [t for m in modules for t in [*m.parameters(), *m.buffers()]]:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
