@@ -1,22 +1,30 @@
-"""Compile, cache and load a torch C++ extension, or explain in one line why not."""
+"""Compile, cache and load a native kernel library, or explain in one line why not.
+
+Sources are plain C++ with ``extern "C"`` entry points, loaded with ctypes, so a build takes
+seconds (no torch headers) and needs only a compiler. The library links the process's OpenMP
+runtime by soname (``libgomp.so.1``, the one torch already loaded), so its threads are torch's.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
-import sys
+import subprocess
+import tempfile
 import time
-from types import ModuleType
 
 from qwenserve import envs
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
 
-# -O3 and the host's vector ISA: the kernels are built on the machine that runs them.
+# The host's vector ISA: the kernels are built on the machine that runs them.
 DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+_FALLBACK = "; using the PyTorch kernels"
 
 
 def native_enabled() -> bool:
@@ -24,62 +32,71 @@ def native_enabled() -> bool:
     return envs.native_kernels_enabled()
 
 
-def _build_dir(name: str, sources: list[str], cflags: tuple[str, ...]) -> str:
-    import torch
+def compiler() -> str | None:
+    """The C++ compiler (``$CXX``, else ``c++``) when it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
 
+
+def _library_path(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     for path in sources:
         with open(path, "rb") as f:
             digest.update(f.read())
     digest.update(" ".join(cflags).encode())
-    digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
-    return os.path.join(envs.cache_dir(), "native", f"{name}-{digest.hexdigest()[:16]}")
+    digest.update(platform.machine().encode())
+    return os.path.join(envs.cache_dir(), "native", f"lib{name}-{digest.hexdigest()[:16]}.so")
 
 
-def _missing_toolchain() -> str | None:
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r}) on PATH"
-    if shutil.which("ninja") is None:
-        return "ninja is not on PATH (pip install ninja)"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _load(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> ModuleType | None:
-    fallback = "; using the PyTorch kernels"
-    if not native_enabled():
-        logger.info("native %s kernels off (QWENSERVE_NATIVE=0)%s", name, fallback)
-        return None
-    missing = _missing_toolchain()
-    if missing:
-        logger.warning("native %s kernels not built: %s%s", name, missing, fallback)
-        return None
-    from torch.utils import cpp_extension
-
-    build_dir = _build_dir(name, list(sources), cflags)
-    cached = os.path.isdir(build_dir) and any(f.endswith(".so") for f in os.listdir(build_dir))
-    os.makedirs(build_dir, exist_ok=True)
-    if not cached:
-        logger.info("compiling native %s kernels (first use, about a minute) into %s",
-                    name, build_dir)
-    start = time.perf_counter()
+def _compile(cxx: str, sources: tuple[str, ...], cflags: tuple[str, ...], target: str) -> None:
+    """Build into a temporary file and rename it: processes building at once (TP ranks) each
+    produce a whole library, and a reader never sees half of one."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
     try:
-        module = cpp_extension.load(name=name, sources=list(sources), build_directory=build_dir,
-                                    extra_cflags=list(cflags), extra_ldflags=["-fopenmp"],
-                                    verbose=False)
-    except Exception as e:  # a compiler error must never stop the server: fall back
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        logger.warning("native %s kernels failed to build (%s)%s; the log is in %s",
-                       name, first[:200], fallback, build_dir)
+        subprocess.run([cxx, *cflags, "-shared", "-fPIC", *sources, "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=600)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _load(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> ctypes.CDLL | None:
+    if not native_enabled():
+        logger.info("native %s kernels off (QWENSERVE_NATIVE=0)%s", name, _FALLBACK)
         return None
-    if not cached:
-        logger.info("native %s kernels built in %.0f s", name, time.perf_counter() - start)
-    return module
+    cxx = compiler()
+    if cxx is None:
+        logger.warning("native %s kernels not built: no C++ compiler (%r) on PATH%s",
+                       name, os.environ.get("CXX", "c++"), _FALLBACK)
+        return None
+    target = _library_path(name, sources, cflags)
+    if not os.path.isfile(target):
+        logger.info("compiling native %s kernels (first use; cached in %s)", name,
+                    os.path.dirname(target))
+        start = time.perf_counter()
+        try:
+            _compile(cxx, sources, cflags, target)
+        except subprocess.CalledProcessError as e:
+            first = (e.stderr or "").strip().splitlines()[:1] or [f"exit {e.returncode}"]
+            logger.warning("native %s kernels failed to build (%s)%s", name, first[0][:200],
+                           _FALLBACK)
+            return None
+        except (OSError, subprocess.TimeoutExpired) as e:
+            logger.warning("native %s kernels failed to build (%s)%s", name, e, _FALLBACK)
+            return None
+        logger.info("native %s kernels built in %.1f s", name, time.perf_counter() - start)
+    try:
+        return ctypes.CDLL(target)
+    except OSError as e:
+        logger.warning("native %s kernels failed to load (%s)%s", name, e, _FALLBACK)
+        return None
 
 
-def load_extension(name: str, sources: list[str],
-                   cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> ModuleType | None:
-    """The compiled extension ``name`` built from ``sources`` (absolute paths), or None (logged
+def load_library(name: str, sources: list[str],
+                 cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> ctypes.CDLL | None:
+    """The compiled library ``name`` built from ``sources`` (absolute paths), or None (logged
     once) when native kernels are off or cannot be built here."""
     return _load(name, tuple(sources), tuple(cflags))

@@ -1,57 +1,107 @@
 // Gated DeltaNet CPU kernels that PyTorch cannot express without extra passes over memory.
+// Plain C++ with extern "C" entry points, loaded with ctypes (qwenserve.native.load_library).
 //
-// decode_step: one token per sequence, the state updated in place in its pool slot. The
+// gdn_decode_f32: one token per sequence, the state updated in place in its pool slot. The
 //   PyTorch form gathers each state out of the pool, reads it twice and scatters it back
 //   (about five passes over 1 MiB per sequence and layer); here each (sequence, head) state is
 //   read once for both products and rewritten once while it is still in L2.
-// causal_conv1d: the depthwise causal conv over a varlen batch, history read from and written
-//   back to the conv-state pool, without building the padded copy of the inputs.
+// gdn_conv_{f32,bf16}: the depthwise causal conv over a varlen batch, history read from and
+//   written back to the conv-state pool, without building the padded copy of the inputs.
 // Maths and layouts as the reference (layers/recurrent/torch_ref.py, delta_rule.py).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
-              " must be a contiguous float32 tensor");
+struct F32 {
+  using T = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+
+struct BF16 {  // bfloat16 as its bits; round to nearest even on the way out, as torch does
+  using T = uint16_t;
+  static float load(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static uint16_t store(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+  }
+};
+
+// x [T, D] rows of stride x_stride; weight_t [K, D] f32; bias [D] f32 or null;
+// state [S, K-1, D]; qsl [R+1], slots [R]; has_init [R] (bytes); out [T, D] contiguous.
+template <typename DT>
+void conv(typename DT::T* out, const typename DT::T* x, int64_t x_stride, const float* weight_t,
+          const float* bias, typename DT::T* state, const int64_t* qsl, const int64_t* slots,
+          const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
+  const int64_t hist = K - 1;
+  constexpr int64_t kBlock = 256;  // channels per task: enough tasks for one long request
+  const int64_t blocks = (D + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < R * blocks; ++task) {
+    std::vector<float> win(K * kBlock), acc(kBlock);
+    const int64_t r = task / blocks, c0 = (task % blocks) * kBlock;
+    const int64_t nc = std::min(kBlock, D - c0), first = qsl[r], n = qsl[r + 1] - qsl[r];
+    typename DT::T* st = state + slots[r] * hist * D + c0;
+    for (int64_t j = 0; j < hist; ++j)  // win: the K most recent rows, oldest first
+      for (int64_t c = 0; c < nc; ++c)
+        win[j * kBlock + c] = has_init[r] ? DT::load(st[j * D + c]) : 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      const typename DT::T* xr = x + (first + t) * x_stride + c0;
+      float* last = win.data() + hist * kBlock;
+      for (int64_t c = 0; c < nc; ++c) last[c] = DT::load(xr[c]);
+      for (int64_t c = 0; c < nc; ++c) acc[c] = bias ? bias[c0 + c] : 0.0f;
+      for (int64_t j = 0; j < K; ++j) {
+        const float* w = weight_t + j * D + c0;
+        const float* row = win.data() + j * kBlock;
+        for (int64_t c = 0; c < nc; ++c) acc[c] += w[c] * row[c];
+      }
+      typename DT::T* yr = out + (first + t) * D + c0;
+      for (int64_t c = 0; c < nc; ++c) {
+        const float a = acc[c];
+        yr[c] = DT::store(silu ? a / (1.0f + std::exp(-a)) : a);
+      }
+      for (int64_t j = 0; j < hist; ++j)  // shift: drop the oldest row
+        std::copy(win.data() + (j + 1) * kBlock, win.data() + (j + 1) * kBlock + nc,
+                  win.data() + j * kBlock);
+    }
+    // the new state: the last K-1 raw inputs (or the history when n < K-1), exactly
+    for (int64_t j = 0; j < hist; ++j)
+      for (int64_t c = 0; c < nc; ++c) st[j * D + c] = DT::store(win[j * kBlock + c]);
+  }
 }
 
 }  // namespace
 
-// q, k [B, H, Dk] (l2-normalised, q scaled, heads repeated), v [B, H, Dv], g, beta [B, H],
-// all float32; pool [S, H, Dk, Dv] float32; slots [B] int64; has_init [B] bool.
-// Returns o [B, H, Dv] float32; pool[slots[b]] holds the new states.
-torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                          torch::Tensor beta, torch::Tensor pool, torch::Tensor slots,
-                          torch::Tensor has_init) {
-  check_f32(q, "q"); check_f32(k, "k"); check_f32(v, "v"); check_f32(g, "g");
-  check_f32(beta, "beta"); check_f32(pool, "pool");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && has_init.scalar_type() == torch::kBool);
-  const int64_t B = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2);
-  TORCH_CHECK(pool.size(1) == H && pool.size(2) == Dk && pool.size(3) == Dv, "pool shape");
-  auto slots_c = slots.contiguous();
-  auto init_c = has_init.contiguous();
-  auto o = torch::empty({B, H, Dv}, v.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  const int64_t* sp = slots_c.data_ptr<int64_t>();
-  const bool* ip = init_c.data_ptr<bool>();
-  float* pp = pool.data_ptr<float>();
-  float* op = o.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+extern "C" {
+
+// q, k [B, H, Dk] (l2-normalised, q scaled, heads repeated), v [B, H, Dv], g, beta [B, H]:
+// contiguous f32. pool [S, H, Dk, Dv] f32; slots [B]; has_init [B] (bytes). out [B, H, Dv].
+void gdn_decode_f32(float* out, float* pool, const float* q, const float* k, const float* v,
+                    const float* g, const float* beta, const int64_t* slots,
+                    const uint8_t* has_init, int64_t B, int64_t H, int64_t Dk, int64_t Dv) {
+#pragma omp parallel
+  {
     std::vector<float> kv(Dv), qs(Dv), delta(Dv);
-    for (int64_t idx = begin; idx < end; ++idx) {
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < B * H; ++idx) {
       const int64_t b = idx / H, h = idx % H;
-      float* S = pp + (sp[b] * H + h) * Dk * Dv;
-      const float *qr = qp + idx * Dk, *kr = kp + idx * Dk, *vr = vp + idx * Dv;
-      float* out = op + idx * Dv;
-      const float decay = std::exp(gp[idx]), bt = bp[idx];
-      if (!ip[b]) std::fill(S, S + Dk * Dv, 0.0f);  // a fresh slot may hold anything, even NaN
+      float* S = pool + (slots[b] * H + h) * Dk * Dv;
+      const float *qr = q + idx * Dk, *kr = k + idx * Dk, *vr = v + idx * Dv;
+      float* o = out + idx * Dv;
+      const float decay = std::exp(g[idx]), bt = beta[idx];
+      if (!has_init[b]) std::fill(S, S + Dk * Dv, 0.0f);  // a fresh slot may hold NaN
       std::fill(kv.begin(), kv.end(), 0.0f);
       std::fill(qs.begin(), qs.end(), 0.0f);
       float kq = 0.0f;
@@ -67,7 +117,7 @@ torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
       for (int64_t j = 0; j < Dv; ++j) {
         const float d = bt * (vr[j] - decay * kv[j]);
         delta[j] = d;
-        out[j] = decay * qs[j] + kq * d;
+        o[j] = decay * qs[j] + kq * d;
       }
       for (int64_t i = 0; i < Dk; ++i) {
         const float ki = kr[i];
@@ -75,87 +125,19 @@ torch::Tensor decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
         for (int64_t j = 0; j < Dv; ++j) row[j] = decay * row[j] + ki * delta[j];
       }
     }
-  });
-  return o;
+  }
 }
 
-// x [T, D]; weight_t [K, D] float32 (the conv weight transposed); bias [D] float32 or empty;
-// state [S, K-1, D] in x's dtype; qsl [R+1], slots [R] int64; has_init [R] bool.
-// Returns act(conv(x)) [T, D] in x's dtype (accumulated in float32); state updated in place.
-template <typename scalar_t>
-void conv_impl(const torch::Tensor& x, const torch::Tensor& weight_t, const torch::Tensor& bias,
-               torch::Tensor& state, const torch::Tensor& qsl, const torch::Tensor& slots,
-               const torch::Tensor& has_init, bool silu, torch::Tensor& out) {
-  const int64_t D = x.size(1), K = weight_t.size(0), hist = K - 1, R = slots.size(0);
-  const scalar_t* xp = x.data_ptr<scalar_t>();
-  scalar_t* yp = out.data_ptr<scalar_t>();
-  scalar_t* stp = state.data_ptr<scalar_t>();
-  const float* wp = weight_t.data_ptr<float>();
-  const float* biasp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  const int64_t* qp = qsl.data_ptr<int64_t>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const bool* ip = has_init.data_ptr<bool>();
-  constexpr int64_t kBlock = 256;  // channels per task: enough tasks for one long request
-  const int64_t blocks = (D + kBlock - 1) / kBlock;
-  at::parallel_for(0, R * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> win(K * kBlock), acc(kBlock);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / blocks, c0 = (task % blocks) * kBlock;
-      const int64_t nc = std::min(kBlock, D - c0), first = qp[r], n = qp[r + 1] - qp[r];
-      scalar_t* st = stp + sp[r] * hist * D + c0;
-      // win holds the K most recent rows (ring-free: shifted each token; K is small)
-      for (int64_t j = 0; j < hist; ++j)
-        for (int64_t c = 0; c < nc; ++c)
-          win[j * kBlock + c] = ip[r] ? static_cast<float>(st[j * D + c]) : 0.0f;
-      for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* xr = xp + (first + t) * D + c0;
-        float* last = win.data() + hist * kBlock;
-        for (int64_t c = 0; c < nc; ++c) last[c] = static_cast<float>(xr[c]);
-        for (int64_t c = 0; c < nc; ++c) acc[c] = biasp ? biasp[c0 + c] : 0.0f;
-        for (int64_t j = 0; j < K; ++j) {
-          const float* w = wp + j * D + c0;
-          const float* row = win.data() + j * kBlock;
-          for (int64_t c = 0; c < nc; ++c) acc[c] += w[c] * row[c];
-        }
-        scalar_t* yr = yp + (first + t) * D + c0;
-        for (int64_t c = 0; c < nc; ++c) {
-          const float a = acc[c];
-          yr[c] = static_cast<scalar_t>(silu ? a / (1.0f + std::exp(-a)) : a);
-        }
-        for (int64_t j = 0; j < hist; ++j)  // shift: drop the oldest row
-          std::copy(win.data() + (j + 1) * kBlock, win.data() + (j + 1) * kBlock + nc,
-                    win.data() + j * kBlock);
-      }
-      // the new state is the last K-1 rows: the raw inputs (or the history for n < K-1),
-      // stored in x's dtype, which win holds exactly
-      for (int64_t j = 0; j < hist; ++j)
-        for (int64_t c = 0; c < nc; ++c) st[j * D + c] = static_cast<scalar_t>(win[j * kBlock + c]);
-    }
-  });
+void gdn_conv_f32(float* out, const float* x, int64_t x_stride, const float* weight_t,
+                  const float* bias, float* state, const int64_t* qsl, const int64_t* slots,
+                  const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
+  conv<F32>(out, x, x_stride, weight_t, bias, state, qsl, slots, has_init, R, D, K, silu);
 }
 
-torch::Tensor causal_conv1d(torch::Tensor x, torch::Tensor weight_t, torch::Tensor bias,
-                            torch::Tensor state, torch::Tensor qsl, torch::Tensor slots,
-                            torch::Tensor has_init, bool silu) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, D] with contiguous rows");
-  x = x.contiguous();
-  check_f32(weight_t, "weight_t");
-  TORCH_CHECK(state.scalar_type() == x.scalar_type() && state.is_contiguous(),
-              "state must be contiguous, in x's dtype");
-  TORCH_CHECK(weight_t.size(1) == x.size(1) && state.size(2) == x.size(1), "conv dims");
-  TORCH_CHECK(state.size(1) == weight_t.size(0) - 1, "state holds K-1 rows");
-  auto qsl_c = qsl.to(torch::kInt64).contiguous();
-  auto slots_c = slots.to(torch::kInt64).contiguous();
-  auto init_c = has_init.to(torch::kBool).contiguous();
-  auto bias_c = bias.numel() ? bias.to(torch::kFloat32).contiguous() : bias;
-  auto out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv1d", [&] {
-    conv_impl<scalar_t>(x, weight_t, bias_c, state, qsl_c, slots_c, init_c, silu, out);
-  });
-  return out;
+void gdn_conv_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, const float* weight_t,
+                   const float* bias, uint16_t* state, const int64_t* qsl, const int64_t* slots,
+                   const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
+  conv<BF16>(out, x, x_stride, weight_t, bias, state, qsl, slots, has_init, R, D, K, silu);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_step", &decode_step, "gated delta rule, one token per sequence, in place");
-  m.def("causal_conv1d", &causal_conv1d, "varlen depthwise causal conv with state pool");
-}
+}  // extern "C"
