@@ -135,4 +135,4 @@ def _wait(procs: dict[int, subprocess.Popen], stop: threading.Event,
             logger.error("The head is gone and %d engine(s) still run; stopping them", len(procs))
             return 1
         time.sleep(0.2)
-    return 1 if stop.is_set() and procs else code
+    return code  # a signal stops the engines (finally: their stdin closes): a clean stop

@@ -14,9 +14,12 @@ thread-safe.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, SpecDecodingStats
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 TTFT_BUCKETS = (
     0.001,
@@ -408,7 +411,7 @@ class _EngineSeries:
             )
 
 
-def make_registry(process_metrics: bool = True) -> Any:
+def make_registry(process_metrics: bool = True) -> CollectorRegistry:
     """A fresh registry, with the process and Python collectors ``/metrics`` usually shows."""
     import prometheus_client as prom
 
