@@ -1,6 +1,7 @@
 """EAGLE-3 speculative decoding: tiny random Qwen3 (4 layers: vLLM's default aux layers 2, 2, 1)
 and Qwen3-MoE (3 layers, aux layers 0, 1, 2 from the head's eagle_config) targets with a tiny
-random head (``helpers.tiny_models.make_eagle3_head``: a 256-token draft vocabulary, d2t map).
+random head (``helpers.tiny_models.make_eagle3_head``: a 256-token draft vocabulary, d2t map;
+the MoE one with ``norm_before_residual``).
 
 - greedy output identical to plain decoding, batched with mixed prompt lengths, chunked prefill
   (16-token budget) and prefix caching;
@@ -15,6 +16,8 @@ random head (``helpers.tiny_models.make_eagle3_head``: a 256-token draft vocabul
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -63,7 +66,7 @@ def pair(tiny_model, tmp_path_factory):
             target = tiny_model("qwen3_moe")
             aux = layer_ids = [0, 1, 2]
         head = make_eagle3_head(target, str(tmp_path_factory.mktemp(f"eagle3-{arch}")),
-                                aux_layer_ids=aux)
+                                aux_layer_ids=aux, norm_before_residual=arch == "qwen3_moe")
         return target, head, layer_ids
     return build
 
@@ -105,7 +108,9 @@ def _reference(target, head, layer_ids, prompt, sampled):
     att = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
     att = att.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")).softmax(-1)
     o = torch.einsum("hqk,khd->qhd", att, v).reshape(n, -1) @ t["midlayer.self_attn.o_proj.weight"].T
-    r = o + g
+    with open(f"{head}/config.json") as f:
+        before = json.load(f).get("norm_before_residual", False)
+    r = o + (_rms(g, t["midlayer.hidden_norm.weight"]) if before else g)
     h = _rms(r, t["midlayer.post_attention_layernorm.weight"])
     m = (torch.nn.functional.silu(h @ t["midlayer.mlp.gate_proj.weight"].T)
          * (h @ t["midlayer.mlp.up_proj.weight"].T)) @ t["midlayer.mlp.down_proj.weight"].T
@@ -202,6 +207,9 @@ def test_refusals(pair, tiny_model, tmp_path):
         _llm(target, speculative_config=_spec(vocab))
     with pytest.raises(ValueError, match='eagle3 needs "model"'):
         _llm(target, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    fc_norm = make_eagle3_head(target, str(tmp_path / "fcnorm"), norm_before_fc=True)
+    with pytest.raises(ValueError, match="'norm_before_fc'"):
+        _llm(target, speculative_config=_spec(fc_norm))
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         _llm(target, speculative_config=_spec(tiny_model("qwen3")))
     with pytest.raises(ValueError, match="tensor-parallel-size"):

@@ -8,7 +8,7 @@ vLLM's llama_eagle3.py and spec_decode/eagle.py; the wiring, not the code):
                                         (on later draft steps g is the head's previous ``p``)
     e = embed(t[i+1])                   the target's embedding unless the head ships one
     x = attn(cat([input_layernorm(e), hidden_norm(g)]), position i)     q/k/v read 2H
-    r = x + g
+    r = x + g                           (+ hidden_norm(g) instead with norm_before_residual)
     p = mlp(post_attention_layernorm(r)) + r                            -> the next step's g
     logits = lm_head(norm(p))           over the head's draft vocabulary; draft id d is target
                                         id d + d2t[d]
@@ -71,6 +71,11 @@ def load_eagle3_config(model: str | None, target_config: PretrainedConfig) -> Ea
         raise ValueError(f"--speculative-config method eagle3: {model} is a {archs or 'model'} "
                          "checkpoint, not an EAGLE-3 head (LlamaForCausalLMEagle3); for a small "
                          'model with the same tokenizer use "method": "draft_model"')
+    for key in ("speculators_config", "norm_before_fc", "fc_norm"):
+        if getattr(hf_config, key, None):
+            raise ValueError(f"EAGLE-3 head {model}: config.json's {key!r} (a speculators-format "
+                             "or fc-norm head) is not implemented in qwenserve; use a head in "
+                             "the original EAGLE-3 layout (LlamaForCausalLMEagle3)")
     check_head_fits(hf_config, target_config, model or source.folder)
     return Eagle3HeadConfig(source.folder, hf_config)
 
@@ -87,9 +92,11 @@ def iter_head_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 def eagle3_aux_layer_ids(head_config: PretrainedConfig, num_target_layers: int
                          ) -> tuple[int, ...]:
     """The target layers whose input hidden states feed the head: the head config's
-    ``eagle_config.eagle_aux_hidden_state_layer_ids``, else vLLM's (2, L/2, L-3)."""
-    eagle = getattr(head_config, "eagle_config", None) or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    ``eagle_aux_hidden_state_layer_ids`` (top level, as vLLM reads it, or in ``eagle_config``),
+    else vLLM's (2, L/2, L-3)."""
+    eagle = getattr(head_config, "eagle_config", None)
+    ids = getattr(head_config, "eagle_aux_hidden_state_layer_ids", None) or (
+        eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None)
     if ids is None:
         ids = (2, num_target_layers // 2, num_target_layers - 3)
     ids = tuple(int(i) for i in ids)
@@ -146,14 +153,18 @@ class _MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, ctx.dtype)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps, ctx.dtype)
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, ctx.dtype)
+        # Some exports (speculators-trained heads) add the normed hidden state as the residual.
+        self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
                 batch: ForwardBatch, caches: ModelCaches, rotary: RotaryEmbedding
                 ) -> torch.Tensor:
         """-> p = mlp(norm(r)) + r with r = attn(...) + hidden (the pre-norm output)."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         x = self.self_attn(positions, x, batch, caches.kv[self.layer_id], rotary)
-        x, residual = self.post_attention_layernorm(x, hidden)
+        x, residual = self.post_attention_layernorm(
+            x, normed if self.norm_before_residual else hidden)
         return self.mlp(x) + residual
 
 
