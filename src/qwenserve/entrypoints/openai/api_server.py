@@ -116,13 +116,16 @@ def create_server_state(args: argparse.Namespace
     from qwenserve.metrics.prometheus import PrometheusStatLogger, make_registry
 
     deferred = _DeferredStatLogger()
-    loggers: list[Any] = [deferred] if args.disable_log_stats else [deferred, LoggingStatLogger()]
+    log_line = None if args.disable_log_stats else LoggingStatLogger()
+    loggers: list[Any] = [deferred] if log_line is None else [deferred, log_line]
     engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers,
                                           data_parallel=data_parallel_config(args))
     config = engine.config
     options = _options(args, config.model.name)
     root = getattr(config.model.source, "gguf_file", None) or config.model.source.folder
     state = ServerState(engine, options, model_root=root)
+    if log_line is not None:
+        log_line.mm_cache = state.images.cache_stats
     registry = make_registry()
     prom = PrometheusStatLogger(
         registry,
@@ -131,6 +134,7 @@ def create_server_state(args: argparse.Namespace
         show_hidden=args.show_hidden_metrics_for_version is not None,
         speculative=config.speculative is not None,
         engine_indexes=engine.engine_indexes,
+        mm_cache=state.images.cache_stats,
     )
     plan = engine.plan
     prom.log_cache_config(
