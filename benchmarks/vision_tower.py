@@ -35,7 +35,11 @@ def build(depth: int, dtype: torch.dtype) -> tuple[torch.nn.Module, Qwen3VisionT
     cfg = tf.Qwen3_5VisionConfig(**{**PUBLISHED, "depth": depth})
     torch.manual_seed(0)
     hf = Qwen3_5VisionModel._from_config(cfg, dtype=dtype).eval()
-    ours = Qwen3VisionTower(cfg, dtype)
+    from qwenserve.platforms.cpu import CpuPlatform
+
+    # the platform's float GEMM, as the engine builds the tower (oneDNN for fp32 on CPU)
+    linear = CpuPlatform().float_linear() or torch.nn.functional.linear
+    ours = Qwen3VisionTower(cfg, dtype, linear=linear)
     ours.load_weights(hf.state_dict().items())
     return hf, ours
 

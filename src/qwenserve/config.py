@@ -109,9 +109,23 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class DataParallelRank:
+    """A data-parallel replica's place in the expert-parallel group that spans the replicas
+    (``--data-parallel-size N --enable-expert-parallel``): rank ``rank`` of ``size``, meeting at
+    the store the API process serves on ``host:port``."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE experts whole per rank, not sliced
+    # DP x EP: this replica's rank in the MoE group over all replicas (None: no such group)
+    data_parallel: DataParallelRank | None = None
 
 
 @dataclass(frozen=True)

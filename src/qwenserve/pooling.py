@@ -14,10 +14,12 @@ A prompt is prefilled and not sampled: the request finishes with its pooled outp
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from qwenserve.sampling_params import SamplingParams
 
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "embedding", "score", "classify", "reward")
@@ -71,7 +73,7 @@ def classifier_token_ids(tokenizer: PreTrainedTokenizerBase, tokens: list[str]) 
     return tuple(ids)
 
 
-def pooling_params() -> Any:
+def pooling_params() -> SamplingParams:
     """The SamplingParams a pooling request carries through the engine: the prompt is the work,
     so it finishes at its last prefill chunk (max_tokens=1 bounds the cache it may take)."""
     from qwenserve.sampling_params import RequestOutputKind, SamplingParams

@@ -186,10 +186,11 @@ def test_language_model_only_serves_text_and_refuses_images(vl):
                       "multi_modal_data": {"image": random_image(16, 16)}})
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"])
 def test_other_families_match_hf(tmp_path_factory, family):
-    """Qwen3.5-MoE (same decoder class, MoE layers) and Qwen3-VL (Qwen3 decoder, deep-stack
-    features), chunked so that prefill chunks cut the images, batched with a text prompt."""
+    """Qwen3.5-MoE (same decoder class, MoE layers), Qwen3-VL (Qwen3 decoder, deep-stack
+    features) and Qwen3-VL-MoE (the Qwen3-MoE decoder under Qwen3-VL), chunked so that prefill
+    chunks cut the images, batched with a text prompt."""
     path = make_tiny_vl_checkpoint(family, str(tmp_path_factory.mktemp("vl") / family))
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16)
     prompts = _prompts()

@@ -31,9 +31,38 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+class InFlight:
+    """How many ``/held`` requests the server is answering at once (and the most so far)."""
+
+    lock = threading.Lock()
+    now = peak = 0
+
+    @classmethod
+    def reset(cls) -> None:
+        with cls.lock:
+            cls.now = cls.peak = 0
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            cls.now += 1
+            cls.peak = max(cls.peak, cls.now)
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls.lock:
+            cls.now -= 1
+
+
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         try:
+            if self.path.startswith("/held"):  # answered after 1 s, counted while held
+                InFlight.enter()
+                try:
+                    time.sleep(1.0)
+                finally:
+                    InFlight.leave()
             self._respond()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up first (the timeout and size-cap cases)
@@ -167,6 +196,45 @@ def test_http_size_cap_and_timeout(http_base):
     quick = connector(allowed_media_domains=("127.0.0.1",), fetch_timeout_s=0.3)
     with pytest.raises(MediaError, match="timed out after 0.3 s"):
         quick.load_image(f"{http_base}/slow")
+
+
+def test_several_urls_are_fetched_concurrently(http_base):
+    """A request's URLs are fetched at once (the server holds all four together), and so are
+    those of concurrent requests through one connector; each keeps its own order."""
+    web = connector(allowed_media_domains=("127.0.0.1",))
+    InFlight.reset()
+    start = time.monotonic()
+    images = web.load_images([f"{http_base}/held/{i}" for i in range(4)])
+    assert time.monotonic() - start < 3.5  # one after another: at least 4 s
+    assert InFlight.peak == 4 and all(same_pixels(im, IMAGE) for im in images)
+    InFlight.reset()
+    threads = [threading.Thread(target=web.load_images,
+                                args=([f"{http_base}/held/{r}-{i}" for i in range(3)],))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert InFlight.peak == 6  # two requests of three images each, all at once
+
+
+def test_concurrent_fetches_keep_each_limit_and_name_the_first_failing_part(http_base):
+    from qwenserve.entrypoints.media_parts import ImageSource, load_images
+
+    web = connector(allowed_media_domains=("127.0.0.1",), max_download_bytes=100_000)
+    results = web.load_images([f"{http_base}/img.png", f"{http_base}/endless",
+                               f"http://localhost:{http_base.rsplit(':', 1)[1]}/img.png",
+                               f"{http_base}/missing"])
+    assert same_pixels(results[0], IMAGE)
+    assert [type(r) for r in results[1:]] == [MediaError] * 3
+    assert "larger than 100000 bytes" in str(results[1])
+    assert "host 'localhost' is not in --allowed-media-domains" in str(results[2])
+    assert "HTTP 404" in str(results[3])
+    sources = [ImageSource(f"messages.0.content.{i}", url=url) for i, url in enumerate(
+        [f"{http_base}/img.png", f"{http_base}/missing", f"{http_base}/text"])]
+    with pytest.raises(MediaError, match="messages.0.content.1: fetching .* HTTP 404") as e:
+        load_images(sources, web)
+    assert e.value.param == "messages.0.content.1"
 
 
 def test_limits_from_vllm_environment(monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 
@@ -16,7 +15,6 @@ from qwenserve.entrypoints.media_parts import (
     DEFAULT_IMAGE_LIMIT,
     extract_chat_images,
     load_images,
-    load_images_async,
     parse_limit_mm_per_prompt,
     parse_multi_modal_data,
 )
@@ -99,14 +97,12 @@ def test_a_bad_image_names_its_part():
     with pytest.raises(MediaError, match="messages.0.content.1: the data is not an image") as e:
         load_images(parsed.images, MediaConnector(MediaConfig()))
     assert e.value.param == "messages.0.content.1"
-    with pytest.raises(MediaError, match="messages.0.content.1: the data is not an image"):
-        asyncio.run(load_images_async(parsed.images, MediaConnector(MediaConfig())))
 
 
-def test_async_loading_keeps_the_order():
-    parsed = extract_chat_images(conversation(), PLACEHOLDER, 3)
-    loaded = asyncio.run(load_images_async(parsed.images, MediaConnector(MediaConfig())))
-    assert [im.size for im in loaded] == [A.size, B.size, C.size]
+def test_concurrent_loading_keeps_the_order():
+    parsed = extract_chat_images(conversation() * 2, PLACEHOLDER, 6)  # 4 URLs, 2 PIL images
+    loaded = load_images(parsed.images, MediaConnector(MediaConfig()))
+    assert [im.size for im in loaded] == [A.size, B.size, C.size] * 2
 
 
 def test_offline_multi_modal_data():

@@ -108,8 +108,13 @@ def hf_vl_model(family: str, seed: int = 0) -> Any:
                     rope_parameters={"rope_type": "default", "rope_theta": 5e5,
                                      "mrope_section": [2, 2, 2], "mrope_interleaved": True})
         vision = {**VISION, "out_hidden_size": 48, "deepstack_visual_indexes": [0, 1]}
-        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
-        model_cls = tf.Qwen3VLModel
+        if family == "qwen3_vl_moe":  # every layer sparse, 4 experts of 32, top 2
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+            cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
+            model_cls = tf.Qwen3VLMoeModel
+        else:
+            cfg = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+            model_cls = tf.Qwen3VLModel
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     randomize_(model, seed)
@@ -128,7 +133,8 @@ def make_tiny_vl_checkpoint(family: str, path: str, seed: int = 0) -> str:
     base = hf_vl_model(family, seed)
     cls = {"qwen3_5": tf.Qwen3_5ForConditionalGeneration,
            "qwen3_5_moe": tf.Qwen3_5MoeForConditionalGeneration,
-           "qwen3_vl": tf.Qwen3VLForConditionalGeneration}[family]
+           "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
+           "qwen3_vl_moe": tf.Qwen3VLMoeForConditionalGeneration}[family]
     tokenizer = vl_tokenizer()
     cfg = base.config
     cfg.text_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -168,9 +168,10 @@ def test_rigged_head_accepts_and_stays_identical(rigged):
 
 def test_rigged_prefix_hits_n_stop_and_max_tokens(rigged):
     plain, spec, expected = rigged
-    again = gen(spec, GREEDY, PROMPTS[2:3])
+    for _ in range(2):  # the first repeat saves the state checkpoint the second one hits
+        again = gen(spec, GREEDY, PROMPTS[2:3])
+        assert ids(again) == expected[2:3]
     assert again[0].num_cached_tokens > 0
-    assert ids(again) == expected[2:3]
     out = gen(spec, SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS,
                                    ignore_eos=True), PROMPTS[:1])[0]
     assert [c.token_ids for c in out.outputs] == [expected[0]] * 2

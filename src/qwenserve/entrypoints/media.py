@@ -10,15 +10,22 @@ Limits come from vLLM's environment variables: ``VLLM_IMAGE_FETCH_TIMEOUT`` (5 s
 ``VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB`` (256), ``VLLM_MAX_IMAGE_PIXELS`` (178,956,970).
 Unlike vLLM, http(s) URLs are refused unless ``--allowed-media-domains`` names their host: a
 server should not fetch arbitrary URLs for anonymous clients by default.
+
+Several images are loaded at once (``load_images``): a request's URLs, and those of concurrent
+requests, share one pool of fetch threads per connector (``MAX_CONCURRENT_FETCHES``), so a
+request with N remote images waits about as long as its slowest, not the sum; each image keeps
+its own size cap and deadline.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import io
+import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +41,7 @@ if TYPE_CHECKING:
 # Still-image formats decoded in-process; EPS (Ghostscript), WMF and stub formats are refused.
 ALLOWED_IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF", "ICO", "PPM", "TGA", "DIB")
 MAX_REDIRECTS = 5
+MAX_CONCURRENT_FETCHES = 16  # fetch threads per connector (I/O bound: they wait on sockets)
 
 
 class MediaError(ChatMessageError):
@@ -57,12 +65,35 @@ class MediaConfig:
 
 
 class MediaConnector:
-    """Loads one image per call; blocking (the server calls ``load_image_async``)."""
+    """Loads images, blocking: the server calls it on its CPU pool, never on the event loop."""
 
     def __init__(self, config: MediaConfig) -> None:
         self.config = config
         root = config.allowed_local_media_path
         self.local_root = Path(root).resolve() if root else None
+        self._pool: ThreadPoolExecutor | None = None  # made on the first multi-image load
+        self._pool_lock = threading.Lock()
+
+    def load_images(self, urls: Sequence[str]) -> list[Image.Image | MediaError]:
+        """Load several images concurrently (fetch and decode in the connector's threads);
+        in order, each the image or the ``MediaError`` that refused it."""
+        if len(urls) < 2:
+            return [self._try_load(url) for url in urls]
+        pool = self._fetch_pool()
+        return [f.result() for f in [pool.submit(self._try_load, url) for url in urls]]
+
+    def _try_load(self, url: str) -> Image.Image | MediaError:
+        try:
+            return self.load_image(url)
+        except MediaError as e:
+            return e
+
+    def _fetch_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(MAX_CONCURRENT_FETCHES,
+                                                thread_name_prefix="qwenserve-media")
+            return self._pool
 
     def load_image(self, url: str) -> Image.Image:
         if not isinstance(url, str) or not url:
@@ -76,9 +107,6 @@ class MediaConnector:
             return decode_image(self._download(url), self.config.max_image_pixels)
         raise MediaError(f"image URL scheme {scheme or '(none)'!r} is not supported; use a "
                          "data: URL (base64), an http(s) URL or a file:// URL")
-
-    async def load_image_async(self, url: str) -> Image.Image:
-        return await asyncio.to_thread(self.load_image, url)
 
     def _data_url_bytes(self, url: str) -> bytes:
         header, comma, payload = url[5:].partition(",")

@@ -13,7 +13,6 @@ order of the placeholders in the rendered prompt.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -126,25 +125,15 @@ def parse_multi_modal_data(data: Any, image_limit: int,
 
 
 def load_images(sources: Sequence[ImageSource], connector: MediaConnector) -> list[Image.Image]:
-    """Load every image; a failure names the part it came from."""
-    return [source.image if source.image is not None else _located(source, connector)
-            for source in sources]
-
-
-async def load_images_async(sources: Sequence[ImageSource],
-                            connector: MediaConnector) -> list[Image.Image]:
-    """As ``load_images``, the URLs fetched and decoded concurrently off the event loop."""
-    return list(await asyncio.gather(*(
-        asyncio.to_thread(_located, s, connector) if s.image is None else _ready(s.image)
-        for s in sources)))
-
-
-async def _ready(image: Image.Image) -> Image.Image:
-    return image
-
-
-def _located(source: ImageSource, connector: MediaConnector) -> Image.Image:
-    try:
-        return connector.load_image(source.url or "")
-    except MediaError as e:
-        raise MediaError(f"{source.param}: {e}", source.param) from e
+    """Load every image, the URLs concurrently (``MediaConnector.load_images``); a failure
+    names the part it came from (the first failing part, in prompt order)."""
+    remote = [s for s in sources if s.image is None]
+    loaded = dict(zip((id(s) for s in remote),
+                      connector.load_images([s.url or "" for s in remote])))
+    images = []
+    for source in sources:
+        image = source.image if source.image is not None else loaded[id(source)]
+        if isinstance(image, MediaError):
+            raise MediaError(f"{source.param}: {image}", source.param) from image
+        images.append(image)
+    return images

@@ -13,10 +13,22 @@ thread-safe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qwenserve.metrics.stats import EngineStats, FinishedRequestStats, SpecDecodingStats
+from qwenserve.metrics.stats import (
+    EngineStats,
+    FinishedRequestStats,
+    MultiModalCacheStats,
+    SpecDecodingStats,
+)
+
+# the processed-image cache's running totals, read where the cache lives (the API process)
+MultiModalCacheSource = Callable[[], MultiModalCacheStats]
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 TTFT_BUCKETS = (
     0.001,
@@ -127,6 +139,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "vllm:prefix_cache_hits",
         "counter",
         "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    MetricSpec(
+        "vllm:mm_cache_queries",
+        "counter",
+        "Multi-modal cache queries, in terms of number of queried items.",
+    ),
+    MetricSpec(
+        "vllm:mm_cache_hits",
+        "counter",
+        "Multi-modal cache hits, in terms of number of cached items.",
     ),
     MetricSpec(
         "vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."
@@ -286,9 +308,12 @@ class PrometheusStatLogger:
     def __init__(
         self, registry: Any, model_name: str, max_model_len: int, show_hidden: bool = False,
         speculative: bool = False, engine_indexes: tuple[int, ...] = (0,),
+        mm_cache: MultiModalCacheSource | None = None,
     ) -> None:
         self.registry = registry
         self.model_name = model_name
+        self.mm_cache = mm_cache  # None: no processed-image cache (text model, or 0 GB)
+        self._last_mm = MultiModalCacheStats()
         self._families: dict[str, Any] = {}
         for spec in METRICS + (SPEC_DECODE_METRICS if speculative else ()):
             if spec.hidden and not show_hidden:
@@ -322,6 +347,20 @@ class PrometheusStatLogger:
             engine = self._engines[stats.engine_index] = _EngineSeries(
                 self._families, self.model_name, stats.engine_index)
         engine.record(stats)
+        self._record_mm_cache(min(self._engines))
+
+    def _record_mm_cache(self, engine_index: int) -> None:
+        """The image cache sits in the API process, one for all engines: its totals are read
+        at each step and counted once, under the first engine's label."""
+        if self.mm_cache is None:
+            return
+        mm, last = self.mm_cache(), self._last_mm
+        labels = {"model_name": self.model_name, "engine": str(engine_index)}
+        for name, value, previous in (("vllm:mm_cache_queries", mm.queries, last.queries),
+                                      ("vllm:mm_cache_hits", mm.hits, last.hits)):
+            if value > previous:
+                self._families[name].labels(**labels).inc(value - previous)
+        self._last_mm = mm
 
 
 class _EngineSeries:
@@ -408,7 +447,7 @@ class _EngineSeries:
             )
 
 
-def make_registry(process_metrics: bool = True) -> Any:
+def make_registry(process_metrics: bool = True) -> CollectorRegistry:
     """A fresh registry, with the process and Python collectors ``/metrics`` usually shows."""
     import prometheus_client as prom
 

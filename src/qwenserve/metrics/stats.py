@@ -64,6 +64,16 @@ class IterationStats:
     spec_decoding: SpecDecodingStats | None = None  # verified drafts; None: not speculating
 
 
+@dataclass(frozen=True)
+class MultiModalCacheStats:
+    """Running totals of the processed-image cache (``--mm-processor-cache-gb``), in images:
+    ``vllm:mm_cache_queries`` / ``vllm:mm_cache_hits``. The cache sits where images are
+    processed (the API process), not in the engine core, so its figures come from there."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 @dataclass
 class SchedulerStats:
     """Scheduler gauges and cumulative counters at the end of a step (``Scheduler.stats()``)."""

@@ -87,11 +87,16 @@ def read_hf_config(folder: str, hf_overrides: dict | None = None
 
 def _attach_vision(config: PretrainedConfig, text_config: PretrainedConfig) -> None:
     """A vision-language checkpoint's tower config and image token ids ride on the text config
-    (the one config the model classes receive)."""
+    (the one config the model classes receive). Whether the LM head is tied is the outer
+    config's word, as in transformers (Qwen3-VL-MoE's text config says True, its outer config
+    False, and HF unties)."""
     vision = getattr(config, "vision_config", None)
     if vision is None or text_config is config:
         return
     text_config.vision_config = vision
+    tie = getattr(config, "tie_word_embeddings", None)
+    if tie is not None:
+        text_config.tie_word_embeddings = tie
     for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
         setattr(text_config, name, getattr(config, name))
 

@@ -25,6 +25,8 @@ _MODELS: dict[str, tuple[str, str]] = {
                                            "Qwen3_5MoeForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwenserve.models.qwen3_vl",
                                         "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("qwenserve.models.qwen3_vl_moe",
+                                           "Qwen3VLMoeForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3NextForCausalLM"),
 }
 

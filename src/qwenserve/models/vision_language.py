@@ -93,7 +93,8 @@ def build_vision(model: nn.Module, ctx: ModelContext) -> Qwen3VisionTower | None
     vision_config = getattr(cfg, "vision_config", None)
     if vision_config is None:
         return None
-    return Qwen3VisionTower(vision_config, ctx.dtype, ctx.tp)
+    return Qwen3VisionTower(vision_config, ctx.dtype, ctx.tp,
+                            linear=ctx.backends.float_linear)
 
 
 def _head_dim(cfg: PretrainedConfig) -> int:

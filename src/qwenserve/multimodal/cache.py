@@ -3,12 +3,14 @@
 
 A repeated image (a chat resending its history, many users sending the same picture) skips
 resizing and normalizing. An item larger than the whole budget is not cached (vLLM serves it
-uncached too). Queries and hits feed ``vllm:mm_cache_queries_total`` / ``_hits_total``.
-No torch here: the caller says how big a value is.
+uncached too). Queries and hits (in images) feed ``vllm:mm_cache_queries`` /
+``vllm:mm_cache_hits``. The server's CPU pool processes several requests at once, so every
+call holds one lock. No torch here: the caller says how big a value is.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -26,29 +28,32 @@ class LRUBytesCache(Generic[V]):
         self.queries = 0
         self.hits = 0
         self._items: OrderedDict[str, tuple[V, int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
     def get(self, key: str) -> V | None:
-        self.queries += 1
-        entry = self._items.get(key)
-        if entry is None:
-            return None
-        self._items.move_to_end(key)
-        self.hits += 1
-        return entry[0]
+        with self._lock:
+            self.queries += 1
+            entry = self._items.get(key)
+            if entry is None:
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return entry[0]
 
     def put(self, key: str, value: V) -> bool:
         """Keep ``value`` (evicting the least recently used); False if it can never fit."""
         size = self.size_of(value)
         if size > self.capacity_bytes:
             return False
-        if key in self._items:
-            self.used_bytes -= self._items.pop(key)[1]
-        while self.used_bytes + size > self.capacity_bytes:
-            _, (_, evicted) = self._items.popitem(last=False)
-            self.used_bytes -= evicted
-        self._items[key] = (value, size)
-        self.used_bytes += size
-        return True
+        with self._lock:
+            if key in self._items:
+                self.used_bytes -= self._items.pop(key)[1]
+            while self.used_bytes + size > self.capacity_bytes:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self.used_bytes -= evicted
+            self._items[key] = (value, size)
+            self.used_bytes += size
+            return True

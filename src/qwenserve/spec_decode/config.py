@@ -6,10 +6,13 @@ honoured here or refused by name.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve.config import SpeculativeConfig
 from qwenserve.json_option import json_object_option
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
@@ -109,7 +112,7 @@ def _int(value: dict[str, Any], key: str, default: int | None) -> int | None:
     return got
 
 
-def mtp_num_layers(hf_config: Any) -> int:
+def mtp_num_layers(hf_config: PretrainedConfig) -> int:
     """How many MTP layers a checkpoint's config declares (``mtp_num_hidden_layers``, or
     ``num_nextn_predict_layers``); 1 when it says nothing, as vLLM assumes."""
     for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):

@@ -7,9 +7,15 @@ back to the scheduler in ``ModelOutput.draft_token_ids`` and are verified in the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from qwenserve.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    import torch
+
+    from qwenserve.core.sched_output import ScheduledChunk
+    from qwenserve.layers.forward_batch import ForwardBatch
 
 
 class RequestTokens(Protocol):
@@ -21,7 +27,8 @@ class RequestTokens(Protocol):
 
 
 class Proposer(Protocol):
-    def forward(self, batch: Any, hidden: Any = None, chunks: Sequence[Any] = ()) -> None:
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None,
+                chunks: Sequence[ScheduledChunk] = ()) -> None:
         """See the step's batch (a ForwardBatch), the target's hidden states [T, H] and the
         step's chunks (ScheduledChunk, in row order) after the target ran it: a draft model
         keeps its KV in step here, the MTP head keeps the hidden states for ``propose``;
@@ -45,7 +52,8 @@ class NgramLookup:
         self.ngram = NgramProposer(min_n, max_n, num_tokens)
         self.disable_by_batch_size = disable_by_batch_size
 
-    def forward(self, batch: Any, hidden: Any = None, chunks: Sequence[Any] = ()) -> None:
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None,
+                chunks: Sequence[ScheduledChunk] = ()) -> None:
         """Nothing to keep: the lookup reads the token history."""
 
     def propose(self, request_ids: list[str], requests: Mapping[str, RequestTokens]

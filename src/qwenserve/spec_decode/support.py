@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwenserve.core.cache.spec import CacheSpec, RecurrentStateSpec
 from qwenserve.spec_decode.config import MTP, mtp_num_layers
 
+if TYPE_CHECKING:
+    from qwenserve.config import EngineConfig
 
-def check_speculative(config: Any, specs: list[CacheSpec], draft_specs: list[CacheSpec],
+
+def check_speculative(config: EngineConfig, specs: list[CacheSpec], draft_specs: list[CacheSpec],
                       has_mtp_head: bool = False) -> None:
     """``ValueError`` naming what is missing when ``config.speculative`` cannot run."""
     spec = config.speculative
@@ -39,7 +42,7 @@ def check_speculative(config: Any, specs: list[CacheSpec], draft_specs: list[Cac
                          "drafter must share the target's tokenizer")
 
 
-def _check_mtp(config: Any, has_mtp_head: bool) -> None:
+def _check_mtp(config: EngineConfig, has_mtp_head: bool) -> None:
     arch = config.model.architecture
     if not has_mtp_head:
         raise ValueError(f"--speculative-config method mtp: {arch} has no multi-token-"

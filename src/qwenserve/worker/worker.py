@@ -28,6 +28,7 @@ from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.agent import KVTransferAgent
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches
+from qwenserve.layers.moe import run_idle_moe
 from qwenserve.logger import init_logger
 from qwenserve.models.base import CausalLM, ModelClass, ModelContext
 from qwenserve.models.dummy_weights import fill_dummy_weights
@@ -58,9 +59,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Worker:
     def __init__(self, config: EngineConfig, platform: Platform, tp: ParallelGroup = SINGLE,
-                 local_rank: int = 0):
+                 local_rank: int = 0, dp_ep: ParallelGroup | None = None):
+        """``dp_ep``: the MoE group over data-parallel replicas (DP x EP), if any."""
         self.config = config
         self.tp = tp
+        self.dp_ep = dp_ep
         self.platform = platform
         self.platform.configure_process()
         self.device = self.platform.device(local_rank)
@@ -115,7 +118,8 @@ class Worker:
                            max_model_len=mc.max_model_len, tp=self.tp,
                            backends=self.backends, quant=quant,
                            ssm_dtype=self.ssm_dtype,
-                           expert_parallel=self.config.parallel.enable_expert_parallel)
+                           expert_parallel=self.config.parallel.enable_expert_parallel,
+                           dp_ep=None if is_draft else self.dp_ep)
         try:
             with torch.device(self.device):
                 model = model_cls(ctx)
@@ -282,6 +286,10 @@ class Worker:
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         assert self.runner is not None, "init_cache() first"
+        if self.dp_ep is not None and sched.is_empty:  # DP x EP: the other replicas may step
+            out = self.runner.execute(sched)
+            run_idle_moe(self.model)
+            return out
         if self.kv_agent is None:
             return self.runner.execute(sched)
         self.kv_agent.apply(sched)

@@ -95,3 +95,50 @@ def test_two_servers_in_one_process_do_not_clash():
     assert value(registries[1], "vllm:generation_tokens_total") == 7
     assert value(registries[0], "vllm:num_preemptions_total") == 0
     assert value(registries[1], "vllm:prefix_cache_hits_total") == 5
+
+
+def test_image_cache_totals_become_vllms_mm_cache_counters():
+    """``vllm:mm_cache_queries`` / ``_hits`` (in images) follow the processed-image cache's
+    running totals, read from where the cache lives at each step; zero without a cache."""
+    from qwenserve.metrics.stats import MultiModalCacheStats
+
+    totals = MultiModalCacheStats()
+
+    def source() -> MultiModalCacheStats:
+        return totals
+
+    registry = make_registry(process_metrics=False)
+    logger = PrometheusStatLogger(registry, "m", 1024, mm_cache=source)
+    logger.record(stats(0, 0, 0))
+    assert value(registry, "vllm:mm_cache_queries_total") == 0
+    totals = MultiModalCacheStats(queries=3, hits=1)
+    logger.record(stats(0, 0, 0))
+    totals = MultiModalCacheStats(queries=5, hits=2)
+    logger.record(stats(0, 0, 0))
+    assert value(registry, "vllm:mm_cache_queries_total") == 5
+    assert value(registry, "vllm:mm_cache_hits_total") == 2
+    plain = make_registry(process_metrics=False)
+    PrometheusStatLogger(plain, "m", 1024).record(stats(0, 0, 0))  # a text model: zeros
+    assert value(plain, "vllm:mm_cache_queries_total") == 0
+
+
+def test_log_line_adds_the_mm_cache_hit_rate_once_queried(caplog):
+    import logging
+
+    from qwenserve.metrics.loggers import LoggingStatLogger
+    from qwenserve.metrics.stats import MultiModalCacheStats
+
+    totals = [MultiModalCacheStats()]
+    line = LoggingStatLogger(interval_s=0.0, mm_cache=lambda: totals[0])
+    engine_log = logging.getLogger("qwenserve.engine")  # qwenserve's loggers do not propagate
+    engine_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="qwenserve.engine"):
+            line.record(stats(0, 0, 0))
+            totals[0] = MultiModalCacheStats(queries=4, hits=1)
+            line.record(stats(0, 0, 0))
+    finally:
+        engine_log.removeHandler(caplog.handler)
+    first, second = [r.getMessage() for r in caplog.records][-2:]
+    assert "MM cache" not in first  # vLLM shows it once the cache has been queried
+    assert second.endswith("MM cache hit rate: 25.0%")

@@ -87,6 +87,28 @@ def bad_request(srv, *parts, **kw) -> str:
     return str(e.value)
 
 
+def mm_cache_counters(srv) -> tuple[float, float]:
+    import httpx
+
+    text = httpx.get(srv.base_url + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in ("vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total"):
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values["vllm:mm_cache_queries_total"], values["vllm:mm_cache_hits_total"]
+
+
+def test_mm_cache_metrics_count_images_and_hits(vl_server):
+    """/metrics: ``vllm:mm_cache_queries`` counts every image looked up in the processed-image
+    cache (``--mm-processor-cache-gb``), ``vllm:mm_cache_hits`` those found there."""
+    queries, hits = mm_cache_counters(vl_server)
+    new, again = random_image(32, 32, seed=11), random_image(32, 32, seed=12)
+    chat(vl_server, "Compare", image_part(data_url(new)), image_part(data_url(again)))
+    chat(vl_server, "Again", image_part(data_url(again)))  # processed already: a hit
+    assert mm_cache_counters(vl_server) == (queries + 3, hits + 1)
+
+
 def test_file_outside_the_allowed_path_is_refused(vl_server, media):
     message = bad_request(vl_server, "x", image_part((media[1] / "a.png").as_uri()))
     assert "messages.0.content.1" in message and "allowed-local-media-path" in message

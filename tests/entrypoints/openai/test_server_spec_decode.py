@@ -45,3 +45,35 @@ def test_greedy_equal_streamed_and_metrics(spec_server, tiny_model_path):
     assert values["vllm:spec_decode_num_draft_tokens_total"] >= \
         values["vllm:spec_decode_num_accepted_tokens_total"] > 0
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in metrics
+
+
+def test_mtp_server_greedy_equal_and_metrics(tiny_model, tmp_path):
+    """vLLM Ascend's form, '{"method": "qwen3_5_mtp", "num_speculative_tokens": 3,
+    "enforce_eager": true}', on a tiny Qwen3.5 with an MTP head: the same text as the offline
+    engine without speculation, streamed too, and the drafts counted in /metrics."""
+    from helpers.tiny_models import add_mtp_head
+
+    path = add_mtp_head(tiny_model("qwen3_5", mtp_num_hidden_layers=1))
+    spec = {"method": "qwen3_5_mtp", "num_speculative_tokens": 3, "enforce_eager": True}
+    srv = RemoteServer([path, "--dtype", "float32", "--max-model-len", "256",
+                        "--kv-cache-memory-bytes", "16M", "--speculative-config",
+                        json.dumps(spec), "--disable-uvicorn-access-log"],
+                       tmp_path / "serve.log")
+    try:
+        llm = LLM(path, dtype="float32", max_model_len=256)
+        expected = llm.generate({"prompt_token_ids": PROMPT},
+                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        client = srv.client()
+        body = dict(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=16,
+                    temperature=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**body)
+        assert whole.choices[0].text == expected[0].outputs[0].text
+        streamed = "".join(c.choices[0].text for c in
+                           client.completions.create(**body, stream=True) if c.choices)
+        assert streamed == whole.choices[0].text
+        metrics = srv.get("/metrics").text
+        drafts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:spec_decode_num_drafts_total")]
+        assert drafts and drafts[0] > 0
+    finally:
+        srv.stop()

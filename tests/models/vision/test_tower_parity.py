@@ -66,6 +66,30 @@ def test_images_in_a_batch_do_not_see_each_other(family_models):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_every_gemm_runs_through_the_platform_linear(family_models):
+    """The tower's GEMMs go through the ``linear`` it is given (the engine passes
+    ``Backends.float_linear``: oneDNN for fp32 on CPU), and that still matches HF."""
+    from qwenserve.platforms.cpu import CpuPlatform
+
+    family, hf, _ = family_models
+    platform_linear = CpuPlatform().float_linear() or torch.nn.functional.linear
+    calls = []
+
+    def counting(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return platform_linear(x, weight, bias)
+
+    tower = Qwen3VisionTower(vision_config(family), torch.float32, linear=counting)
+    tower.load_weights(hf.state_dict().items())
+    pixels = random_pixels(TWO_SIZES, seed=5)
+    ref, _ = hf_forward(hf, TWO_SIZES, pixels)
+    with torch.no_grad():
+        out = tower(pixels, TWO_SIZES)
+    torch.testing.assert_close(out.embeds, ref, rtol=1e-5, atol=1e-5)
+    linears = [m for m in tower.modules() if hasattr(m, "quant_method")]
+    assert len(calls) == len(linears)  # patch embed, 4 per block, 2 per merger
+
+
 def test_bf16_error_is_bf16_rounding(family_models):
     """bf16 against the fp32 truth: no worse than HF's own bf16 run (x2), and within the error
     a few roundings of bf16's unit roundoff (2^-8) per block give."""
@@ -115,3 +139,26 @@ def test_tower_builds_on_the_meta_device_with_hf_parameter_count(family):
     assert all(p.device.type == "meta" for p in tower.parameters())
     count = sum(p.numel() for p in tower.parameters())
     assert count == sum(p.numel() for p in reference.parameters())
+
+
+def test_the_model_builds_its_tower_with_the_platform_linear():
+    """``build_vision`` hands the tower ``ModelContext.backends.float_linear`` (issue 14: the
+    vision layers had F.linear while the text layers had the platform GEMM)."""
+    from dataclasses import replace
+
+    from helpers.tiny_vision import hf_vl_model
+    from qwenserve.layers.backends import Backends
+    from qwenserve.models.base import ModelContext
+    from qwenserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
+
+    def platform_gemm(x, weight, bias=None):
+        return torch.nn.functional.linear(x, weight, bias)
+
+    config = hf_vl_model("qwen3_vl").config
+    text = config.get_text_config()
+    text.vision_config = config.vision_config
+    backends = replace(Backends.reference(), float_linear=platform_gemm)
+    model = Qwen3VLForConditionalGeneration(ModelContext(text, torch.float32, 64,
+                                                         backends=backends))
+    linears = [m for m in model.visual.modules() if hasattr(m, "quant_method")]
+    assert linears and all(m.quant_method.linear is platform_gemm for m in linears)

@@ -19,12 +19,21 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwenserve import envs
 from qwenserve.entrypoints.openai.cli_args import ServeArgumentParser, make_serve_parser
 from qwenserve.entrypoints.openai.cli_args import add_arguments as add_arguments
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from prometheus_client import CollectorRegistry
+
+    from qwenserve.engine.arg_utils import EngineArgs
+    from qwenserve.engine.async_engine import AsyncEngine
+    from qwenserve.entrypoints.openai.http_protocol import TimedH11Protocol
+    from qwenserve.entrypoints.openai.serving_common import ServerState, ServingOptions
 
 logger = init_logger("qwenserve.entrypoints.openai.api_server")
 
@@ -50,7 +59,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_engine_args(args: argparse.Namespace) -> Any:
+def build_engine_args(args: argparse.Namespace) -> EngineArgs:
     from qwenserve.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -58,7 +67,7 @@ def build_engine_args(args: argparse.Namespace) -> Any:
     return engine_args
 
 
-def _options(args: argparse.Namespace, model_name: str) -> Any:
+def _options(args: argparse.Namespace, model_name: str) -> ServingOptions:
     from qwenserve.entrypoints.chat_utils import load_chat_template
     from qwenserve.entrypoints.openai.serving_common import ServingOptions
     from qwenserve.structured_output.config import parse_structured_outputs_config
@@ -97,7 +106,8 @@ def _log_notes(args: argparse.Namespace) -> None:
         logger.info("--enforce-eager: qwenserve always runs eagerly (no graphs, no compile)")
 
 
-def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def create_server_state(args: argparse.Namespace
+                        ) -> tuple[AsyncEngine, ServerState, CollectorRegistry]:
     """Load the engine; returns (AsyncEngine, ServerState, registry)."""
     from qwenserve.engine.async_engine import AsyncEngine
     from qwenserve.entrypoints.openai.cli_data_parallel import data_parallel_config
@@ -106,13 +116,16 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from qwenserve.metrics.prometheus import PrometheusStatLogger, make_registry
 
     deferred = _DeferredStatLogger()
-    loggers: list[Any] = [deferred] if args.disable_log_stats else [deferred, LoggingStatLogger()]
+    log_line = None if args.disable_log_stats else LoggingStatLogger()
+    loggers: list[Any] = [deferred] if log_line is None else [deferred, log_line]
     engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers,
                                           data_parallel=data_parallel_config(args))
     config = engine.config
     options = _options(args, config.model.name)
     root = getattr(config.model.source, "gguf_file", None) or config.model.source.folder
     state = ServerState(engine, options, model_root=root)
+    if log_line is not None:
+        log_line.mm_cache = state.images.cache_stats
     registry = make_registry()
     prom = PrometheusStatLogger(
         registry,
@@ -121,6 +134,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         show_hidden=args.show_hidden_metrics_for_version is not None,
         speculative=config.speculative is not None,
         engine_indexes=engine.engine_indexes,
+        mm_cache=state.images.cache_stats,
     )
     plan = engine.plan
     prom.log_cache_config(
@@ -134,7 +148,7 @@ def create_server_state(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return engine, state, registry
 
 
-def _log_summary(state: Any, engine: Any, host: str, port: int, scheme: str) -> None:
+def _log_summary(state: ServerState, engine: AsyncEngine, host: str, port: int, scheme: str) -> None:
     config, plan = engine.config, engine.plan
     mc = config.model
     engines = engine.engine_indexes
@@ -211,7 +225,8 @@ def run_server(args: argparse.Namespace) -> int:
     return 1 if engine_died else 0
 
 
-def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
+def _build_app(args: argparse.Namespace, state: ServerState,
+               registry: CollectorRegistry) -> FastAPI:
     from qwenserve.entrypoints.openai.app import build_app
 
     keys = [k for k in (args.api_key or [envs.api_key()]) if k]
@@ -237,13 +252,14 @@ def _build_app(args: argparse.Namespace, state: Any, registry: Any) -> Any:
     return app
 
 
-def _http_protocol() -> Any:
+def _http_protocol() -> type[TimedH11Protocol]:
     from qwenserve.entrypoints.openai.http_protocol import timed_protocol
 
     return timed_protocol(envs.http_header_timeout_s(), envs.http_body_timeout_s())
 
 
-def serve(app: Any, sock: socket.socket, args: argparse.Namespace, state: Any) -> bool:
+def serve(app: FastAPI, sock: socket.socket, args: argparse.Namespace, state: ServerState
+          ) -> bool:
     """Serve until SIGTERM/SIGINT, or until the engine dies; True in the latter case."""
     import uvicorn
 

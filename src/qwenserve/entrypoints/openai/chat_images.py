@@ -20,6 +20,7 @@ from qwenserve.entrypoints.media_parts import (
     load_images,
 )
 from qwenserve.entrypoints.openai.errors import bad_request
+from qwenserve.metrics.stats import MultiModalCacheStats
 from qwenserve.multimodal.config import MultiModalConfig
 from qwenserve.multimodal.front import ImageInputs
 from qwenserve.multimodal.inputs import MultiModalInputs
@@ -42,6 +43,14 @@ class ServerImages:
         self.limit = mm.image_limit
         self.connector = MediaConnector(MediaConfig(mm.allowed_local_media_path,
                                                     mm.allowed_media_domains))
+
+    def cache_stats(self) -> MultiModalCacheStats:
+        """Queries and hits of the processed-image cache so far (``vllm:mm_cache_*``); zeros
+        without one (a text model, ``--mm-processor-cache-gb 0``)."""
+        cache = self.front.cache if self.front is not None else None
+        if cache is None:
+            return MultiModalCacheStats()
+        return MultiModalCacheStats(cache.queries, cache.hits)
 
     def extract(self, messages: list[dict], content_format: str) -> ChatImages:
         """Image parts -> placeholders (the chat's images in order); a text-only server refuses

@@ -1,4 +1,6 @@
-"""The blocks of the Qwen3-VL / Qwen3.5 vision transformer, tensor-parallel by heads.
+"""The blocks of the Qwen3-VL / Qwen3.5 vision transformer, tensor-parallel by heads. Their
+GEMMs run through ``linear`` (the platform's float GEMM, ``Backends.float_linear``; the tower
+is never quantized).
 
     block:  x + attn(LN(x)) -> x + MLP(LN(x))
             attn: fused qkv (column-parallel: this rank's heads) -> 2-D rotary on q, k ->
@@ -18,7 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.distributed.parallel_group import ParallelGroup
-from qwenserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from qwenserve.layers.linear import (
+    ColumnParallelLinear,
+    LinearMethod,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from qwenserve.layers.varlen_attention import VarlenAttention
 
 if TYPE_CHECKING:
@@ -51,14 +58,15 @@ def rotate_vision(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 class VisionAttention(nn.Module):
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
-                 attention: VarlenAttention) -> None:
+                 attention: VarlenAttention, linear: LinearMethod) -> None:
         super().__init__()
         dim, heads = cfg.hidden_size, cfg.num_heads
         self.head_dim = dim // heads
         self.qkv = QKVParallelLinear(dim, self.head_dim, heads, heads, bias=True, dtype=dtype,
-                                     tp=tp)
+                                     tp=tp, quant_method=linear)
         self.num_heads = self.qkv.num_heads  # this rank's
-        self.proj = RowParallelLinear(dim, dim, bias=True, dtype=dtype, tp=tp)
+        self.proj = RowParallelLinear(dim, dim, bias=True, dtype=dtype, tp=tp,
+                                      quant_method=linear)
         self.attention = attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -78,12 +86,14 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup) -> None:
+    def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
+                 linear: LinearMethod) -> None:
         super().__init__()
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size,
-                                               bias=True, dtype=dtype, tp=tp)
+                                               bias=True, dtype=dtype, tp=tp,
+                                               quant_method=linear)
         self.linear_fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=True,
-                                            dtype=dtype, tp=tp)
+                                            dtype=dtype, tp=tp, quant_method=linear)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +102,12 @@ class VisionMLP(nn.Module):
 
 class VisionBlock(nn.Module):
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
-                 attention: VarlenAttention) -> None:
+                 attention: VarlenAttention, linear: LinearMethod) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS, dtype=dtype)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS, dtype=dtype)
-        self.attn = VisionAttention(cfg, dtype, tp, attention)
-        self.mlp = VisionMLP(cfg, dtype, tp)
+        self.attn = VisionAttention(cfg, dtype, tp, attention, linear)
+        self.mlp = VisionMLP(cfg, dtype, tp, linear)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: Sequence[int]) -> torch.Tensor:
@@ -109,16 +119,16 @@ class PatchMerger(nn.Module):
     """``merge x merge`` neighbouring patches -> one token of the language model's width."""
 
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
-                 norm_after_shuffle: bool) -> None:
+                 norm_after_shuffle: bool, linear: LinearMethod) -> None:
         super().__init__()
         self.merged_size = cfg.hidden_size * cfg.spatial_merge_size**2
         self.norm_after_shuffle = norm_after_shuffle
         norm_size = self.merged_size if norm_after_shuffle else cfg.hidden_size
         self.norm = nn.LayerNorm(norm_size, eps=LAYER_NORM_EPS, dtype=dtype)
         self.linear_fc1 = ColumnParallelLinear(self.merged_size, self.merged_size, bias=True,
-                                               dtype=dtype, tp=tp)
+                                               dtype=dtype, tp=tp, quant_method=linear)
         self.linear_fc2 = RowParallelLinear(self.merged_size, cfg.out_hidden_size, bias=True,
-                                            dtype=dtype, tp=tp)
+                                            dtype=dtype, tp=tp, quant_method=linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm_after_shuffle:

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
-from qwenserve.layers.linear import ReplicatedLinear, copy_checked
+from qwenserve.layers.backends import LinearFn
+from qwenserve.layers.linear import ReplicatedLinear, UnquantizedLinearMethod, copy_checked
 from qwenserve.layers.varlen_attention import VarlenAttention, sdpa_varlen_attention
 from qwenserve.models.base import check_all_loaded
 from qwenserve.models.vision.grid import Grid, frame_cu_seqlens, pos_embed_taps, rotary_positions
@@ -51,11 +53,14 @@ class VisionOutput:
 
 
 class Qwen3VisionTower(nn.Module):
-    """Built from the HF ``vision_config``; heads, MLP and mergers split over ``tp``."""
+    """Built from the HF ``vision_config``; heads, MLP and mergers split over ``tp``; every GEMM
+    through ``linear`` (the platform's float GEMM, as the text layers)."""
 
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
-                 attention: VarlenAttention = sdpa_varlen_attention) -> None:
+                 attention: VarlenAttention = sdpa_varlen_attention,
+                 linear: LinearFn = F.linear) -> None:
         super().__init__()
+        method = UnquantizedLinearMethod(linear)  # stateless: one for every layer
         self.merge = cfg.spatial_merge_size
         self.head_dim = cfg.hidden_size // cfg.num_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
@@ -66,16 +71,16 @@ class Qwen3VisionTower(nn.Module):
         patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
         self.patch_embed = nn.Module()
         self.patch_embed.proj = ReplicatedLinear(patch_dim, cfg.hidden_size, bias=True,
-                                                 dtype=dtype)
+                                                 dtype=dtype, quant_method=method)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype=dtype)
         self.grid_side = int(cfg.num_position_embeddings**0.5)
-        self.blocks = nn.ModuleList(VisionBlock(cfg, dtype, tp, attention)
+        self.blocks = nn.ModuleList(VisionBlock(cfg, dtype, tp, attention, method)
                                     for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg, dtype, tp, norm_after_shuffle=False)
+        self.merger = PatchMerger(cfg, dtype, tp, norm_after_shuffle=False, linear=method)
         self.deepstack_indexes = list(getattr(cfg, "deepstack_visual_indexes", None) or [])
         if self.deepstack_indexes:
             self.deepstack_merger_list = nn.ModuleList(
-                PatchMerger(cfg, dtype, tp, norm_after_shuffle=True)
+                PatchMerger(cfg, dtype, tp, norm_after_shuffle=True, linear=method)
                 for _ in self.deepstack_indexes)
         self.requires_grad_(False)
 
