@@ -63,6 +63,7 @@ class CpuPlatform(Platform):
     # torch_ref's code: 64 decodes over 320-token contexts took 2.2x less CPU time than the
     # gather + SDPA (docs/benchmarks.md).
     default_attention_backend = "cpu_native"
+    default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
 
     @classmethod
     def is_available(cls) -> bool:
