@@ -100,11 +100,11 @@ class SpeculativeConfig:
     """How drafts are proposed (``--speculative-config``, parsed in ``spec_decode/config.py``).
     ``disable_by_batch_size``: no drafts while this many or more requests run (vLLM's knob)."""
 
-    method: str  # "ngram" | "draft_model" | "mtp" (the checkpoint's own head)
+    method: str  # "ngram" | "draft_model" | "mtp" (the checkpoint's own head) | "eagle3"
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1
-    model: str | None = None  # draft_model: the drafter's folder, .gguf or hub id
+    model: str | None = None  # the drafter (draft_model) or head (eagle3): folder or hub id
     disable_by_batch_size: int | None = None
 
 
