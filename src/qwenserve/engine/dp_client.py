@@ -42,6 +42,7 @@ from qwenserve.logger import init_logger
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -98,7 +99,7 @@ class DPCoreClient:
         assert isinstance(first, ProcCoreClient)  # the head runs a rank itself
         self.ready: EngineReady = first.ready
         self.checks = first.checks
-        self.tokenizer: Any = first.tokenizer
+        self.tokenizer: PreTrainedTokenizerBase = first.tokenizer
         self.router = DPRouter(tuple(self.replicas), self.ready.config.cache.block_size,
                                prefix_affinity=self.ready.enable_prefix_caching)
         self._lock = threading.Lock()

@@ -12,13 +12,16 @@ per-channel scales) shard with the same code as float weights.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
+
+# which part of a merged weight a checkpoint tensor is: an output index (gate/up) or "q"/"k"/"v"
+ShardId = int | str | None
 
 
 class LinearMethod(Protocol):
@@ -82,7 +85,7 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: Any = None) -> None:
+                      shard_id: ShardId = None) -> None:
         copy_checked(param.data, loaded)
 
 
@@ -100,7 +103,7 @@ class ColumnParallelLinear(LinearBase):
                          quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: Any = None) -> None:
+                      shard_id: ShardId = None) -> None:
         dim = getattr(param, "output_dim", None)
         if dim is not None and self.tp.world_size > 1:
             size = param.shape[dim]
@@ -118,7 +121,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, dtype, tp, quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: Any = None) -> None:
+                      shard_id: ShardId = None) -> None:
         dim = getattr(param, "output_dim", None)
         if dim is None:  # a per-tensor value shared by the shards (e.g. a scalar scale)
             copy_checked(param.data, loaded)
@@ -155,7 +158,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                             quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: Any = None) -> None:
+                      shard_id: ShardId = None) -> None:
         dim = getattr(param, "output_dim", None)
         if dim is None:
             copy_checked(param.data, loaded)
@@ -183,7 +186,7 @@ class RowParallelLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: Any = None) -> None:
+                      shard_id: ShardId = None) -> None:
         dim = getattr(param, "input_dim", None)
         if dim is not None and self.tp.world_size > 1:
             size = param.shape[dim]
