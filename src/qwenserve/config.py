@@ -100,18 +100,32 @@ class SpeculativeConfig:
     """How drafts are proposed (``--speculative-config``, parsed in ``spec_decode/config.py``).
     ``disable_by_batch_size``: no drafts while this many or more requests run (vLLM's knob)."""
 
-    method: str  # "ngram" | "draft_model" | "mtp" (the checkpoint's own head)
+    method: str  # "ngram" | "draft_model" | "mtp" (the checkpoint's own head) | "eagle3"
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1
-    model: str | None = None  # draft_model: the drafter's folder, .gguf or hub id
+    model: str | None = None  # the drafter (draft_model) or head (eagle3): folder or hub id
     disable_by_batch_size: int | None = None
+
+
+@dataclass(frozen=True)
+class DataParallelRank:
+    """A data-parallel replica's place in the expert-parallel group that spans the replicas
+    (``--data-parallel-size N --enable-expert-parallel``): rank ``rank`` of ``size``, meeting at
+    the store the API process serves on ``host:port``."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE experts whole per rank, not sliced
+    # DP x EP: this replica's rank in the MoE group over all replicas (None: no such group)
+    data_parallel: DataParallelRank | None = None
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,13 @@ def engine_ready_timeout_s() -> float:
     return _number("ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", 3600.0)
 
 
+def native_kernels_enabled() -> bool:
+    """Compiled C++ kernels (``qwenserve.native``) where a compiler is present; ``QWENSERVE_NATIVE=0``
+    runs the pure-PyTorch kernels instead (the fallback a machine without a compiler gets)."""
+    value = _get("NATIVE", None, "1") or "1"
+    return value.strip().lower() not in {"0", "false", "no", "off"}
+
+
 def kv_pull_timeout_s() -> float:
     """P/D consumer: how long a KV pull waits for the producer's answer (30 s)."""
     return _number("KV_PULL_TIMEOUT_S", None, 30.0)

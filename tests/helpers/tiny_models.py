@@ -197,3 +197,57 @@ def add_mtp_head(path: str, seed: int = 1) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return path
+
+
+def make_eagle3_head(target: str, path: str, seed: int = 2, draft_vocab_size: int = 256,
+                     aux_layer_ids: list[int] | None = None, **overrides: Any) -> str:
+    """A random EAGLE-3 head (``LlamaForCausalLMEagle3``, vLLM's tensor names) for the tiny
+    ``target``: fc [H, 3H], ``midlayer.*`` (q/k/v read 2H), norm, lm_head over a draft
+    vocabulary of ``draft_vocab_size`` random target ids (``d2t`` offsets, ``t2d`` mask); no
+    embedding (the target's is shared). ``overrides`` change the head's config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    with open(os.path.join(target, "config.json")) as f:
+        tc = json.load(f)
+    hidden, vocab = tc["hidden_size"], tc["vocab_size"]
+    config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                  hidden_size=hidden, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_hidden_layers=1, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=1024, vocab_size=vocab,
+                  draft_vocab_size=draft_vocab_size, target_hidden_size=hidden,
+                  tie_word_embeddings=False, torch_dtype="float32")
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
+    config.update(overrides)
+    h, nh, nkv, hd, inter = (config["hidden_size"], config["num_attention_heads"],
+                             config["num_key_value_heads"], config["head_dim"],
+                             config["intermediate_size"])
+    shapes = {"fc.weight": (h, 3 * config["target_hidden_size"]),
+              "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * h),
+              "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, nh * hd),
+              "midlayer.mlp.gate_proj.weight": (inter, h),
+              "midlayer.mlp.up_proj.weight": (inter, h),
+              "midlayer.mlp.down_proj.weight": (h, inter),
+              "lm_head.weight": (draft_vocab_size, h)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {n: 0.15 * torch.randn(s, generator=gen) for n, s in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm",
+                 "midlayer.post_attention_layernorm", "norm"):
+        tensors[norm + ".weight"] = 1.0 + 0.2 * torch.randn(h, generator=gen)
+    ids = torch.randperm(vocab, generator=gen)[:draft_vocab_size].sort().values
+    tensors["d2t"] = ids - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    os.makedirs(path, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path

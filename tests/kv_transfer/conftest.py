@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,22 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 
 from oai_server import RemoteServer, free_port  # noqa: E402
+from pd_helpers import serve_args  # noqa: E402
 
 PULL_TIMEOUT_S = "3"
-
-
-def kv_config(role: str, kv_port: int, engine_id: str, tp: int = 1) -> dict:
-    return {"kv_connector": "MooncakeConnectorV1", "kv_role": role, "kv_port": str(kv_port),
-            "engine_id": engine_id, "kv_ip": "127.0.0.1",
-            "kv_connector_extra_config": {"use_ascend_direct": True,
-                                          "prefill": {"dp_size": 1, "tp_size": tp},
-                                          "decode": {"dp_size": 1, "tp_size": tp}}}
-
-
-def serve_args(model: str, role: str, kv_port: int, engine_id: str, tp: int = 1) -> list[str]:
-    return [model, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes",
-            "16M", "--disable-uvicorn-access-log", "-tp", str(tp), "--kv-transfer-config",
-            json.dumps(kv_config(role, kv_port, engine_id, tp))]
 
 
 @pytest.fixture(scope="session")

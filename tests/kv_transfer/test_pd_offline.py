@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from oai_server import free_port
+from pd_helpers import kv_config
 
-from conftest import kv_config
 from qwenserve import LLM, SamplingParams
 from qwenserve.kv_transfer.params import parse_kv_transfer_params
 

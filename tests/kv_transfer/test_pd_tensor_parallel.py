@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 from oai_server import RemoteServer, free_port
+from pd_helpers import kv_config, serve_args
 
-from conftest import kv_config, serve_args
 from qwenserve import LLM, SamplingParams
 from qwenserve.kv_transfer.params import parse_kv_transfer_params
 
@@ -27,6 +27,7 @@ def one_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
+@pytest.mark.benchmark  # ~70 s on a loaded 2-core VM; test_pd_tp_mismatch.py covers TP P/D
 def test_tp2_producer_to_tp2_consumer(pd_model, tmp_path, one_thread):
     consumer = RemoteServer(serve_args(pd_model, "kv_consumer", free_port(), "d", tp=2),
                             tmp_path / "consumer.log", env={"OMP_NUM_THREADS": "1"})

@@ -9,8 +9,8 @@ import gc
 
 import pytest
 from oai_server import free_port
+from pd_helpers import kv_config
 
-from conftest import kv_config
 from qwenserve import LLM, SamplingParams
 
 PROMPT = [7, 300, 12, 45, 99, 100, 5, 17, 23, 8, 64, 77, 300, 12, 7, 3, 150, 151, 9, 31, 2, 6]

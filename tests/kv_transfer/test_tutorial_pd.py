@@ -15,8 +15,10 @@ import json
 import shlex
 from pathlib import Path
 
+import pytest
 from oai_server import free_port
 
+from helpers.tiny_models import add_mtp_head
 from qwenserve import LLM, SamplingParams
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.entrypoints.openai.cli_args import make_serve_parser
@@ -28,17 +30,19 @@ GUIDE = "docs/source/tutorials/models/Qwen3.5-397B-A17B.md"
 PROMPT = [7, 300, 12, 45, 99, 100, 5, 17, 23, 8, 64, 77, 300, 12, 7, 3, 150, 151, 9, 31, 2, 6]
 
 
-def engine(model: str, line: int) -> LLM:
+def engine(model: str, line: int, mtp: bool = False) -> LLM:
     entry = next(c for c in CORPUS["commands"] if c["file"] == GUIDE and c["line"] == line)
     argv, out, skip = shlex.split(entry["command"])[3:], [], False
+    dropped = ("--host", "--port", "--quantization") + (() if mtp else ("--speculative-config",))
     for arg in argv:
         if skip:
             skip = False
-        elif arg in ("--host", "--port", "--quantization", "--speculative-config"):
+        elif arg in dropped:
             skip = True
         else:  # the guide's ${IP_ADDRESS}
             out.append("127.0.0.1" if arg.startswith("$") else arg)
     args = EngineArgs.from_cli_args(make_serve_parser().parse_args([model, *out]))
+    args.model = model  # the positional model_tag, as the server resolves it
     kv = args.kv_transfer_config
     assert kv["kv_connector"] == "MooncakeLayerwiseConnector" and args.enable_expert_parallel
     for side in ("prefill", "decode"):
@@ -49,9 +53,15 @@ def engine(model: str, line: int) -> LLM:
     return LLM(**vars(args))
 
 
-def test_qwen3_5_moe_layerwise_pair(tiny_model):
+@pytest.mark.parametrize("mtp", [False, True])
+def test_qwen3_5_moe_layerwise_pair(tiny_model, mtp):
+    """With ``mtp`` the guide's ``qwen3_5_mtp`` speculative decoding runs on both sides too (the
+    MTP layer's KV shares the target's blocks, so it travels with them)."""
     model = tiny_model("qwen3_5_moe")
-    producer, consumer = engine(model, 465), engine(model, 541)
+    if mtp:  # its own copy: add_mtp_head writes into the checkpoint
+        model = add_mtp_head(tiny_model("qwen3_5_moe", seed=7))
+    producer, consumer = engine(model, 465, mtp), engine(model, 541, mtp)
+    assert producer.llm_engine.config.model.architecture == "Qwen3_5MoeForCausalLM"
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     single = consumer.generate([{"prompt_token_ids": PROMPT}], greedy)[0].outputs[0].token_ids
     hold = SamplingParams(temperature=0, max_tokens=1,

@@ -31,7 +31,10 @@ def test_parse_mtp_methods_and_default_tokens():
 
 
 @pytest.mark.parametrize("value, words", [
-    ('{"method": "eagle3", "num_speculative_tokens": 2}', "eagle3"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', 'eagle3 needs "model"'),
+    ('{"method": "eagle3", "model": "/h", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+     "prompt_lookup_max"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "EAGLE heads are not implemented"),
     ('{"method": "qwen3_5_mtp", "model": "/m"}', "model"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
      "prompt_lookup_max"),
@@ -67,3 +70,13 @@ def test_ngram_copy_workload_proposes_the_prompt():
     text = list(range(100, 140))
     p = NgramProposer(min_n=1, max_n=4, num_tokens=5)
     assert p.propose(text + [0] + text[:10]) == text[10:15]
+
+
+def test_eagle3_parses_with_its_head():
+    """The vLLM Ascend tutorials' form: the head's folder in "model"; k - 1 lookahead slots."""
+    from qwenserve.spec_decode.config import mtp_lookahead_tokens
+
+    c = parse_speculative_config('{"method": "eagle3", "model": "/heads/qwen3-8b-eagle3", '
+                                 '"num_speculative_tokens": 3}')
+    assert (c.method, c.model, c.num_speculative_tokens) == ("eagle3", "/heads/qwen3-8b-eagle3", 3)
+    assert mtp_lookahead_tokens(c) == 2

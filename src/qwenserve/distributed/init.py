@@ -29,6 +29,7 @@ from qwenserve.logger import init_logger
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+    from torch.distributed import ProcessGroup as ProcessGroupHandle
 
 logger = init_logger(__name__)
 
@@ -138,6 +139,88 @@ def init_parallel_group(backend: str, rank: int, rdzv: Rendezvous,
         raise
     return ParallelGroup(rank=rank, world_size=rdzv.world_size, device_group=world,
                          cpu_group=cpu_group)
+
+
+def serve_store(world_size: int, timeout_s: float = 600.0, host: str = LOOPBACK,
+                port: int = 0) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store, served by a process that is not itself a rank (the API process, for
+    the expert-parallel group over data-parallel replicas): (store, port). On a loopback port
+    by default; on ``host:port`` for other nodes (on every interface when ``host`` is not one
+    of this host's addresses)."""
+    import torch.distributed as dist
+
+    listener = _listen(LOOPBACK, 0) if host == LOOPBACK and not port else \
+        _listen_for_nodes(host, port)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    return store, port
+
+
+def join_group_at(backend: str, rank: int, world_size: int, host: str, port: int,
+                  timeout_s: float = 600.0) -> ParallelGroup:
+    """Join a group whose store another process serves (``serve_store``)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout,
+                          wait_for_workers=False)
+    try:
+        with _gloo_on_loopback(host == LOOPBACK):
+            dist.init_process_group(backend=backend, store=store, rank=rank,
+                                    world_size=world_size, timeout=timeout)
+            world = dist.group.WORLD
+            cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo",
+                                                                       timeout=timeout)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return ParallelGroup(rank=rank, world_size=world_size, device_group=world,
+                         cpu_group=cpu_group)
+
+
+@dataclass(frozen=True)
+class DataParallelGroups:
+    """A rank's groups when expert parallelism spans data-parallel replicas (DP x EP)::
+
+        global rank = replica * tp + tp rank        tp 2, 2 replicas:  moe     [0 1 2 3]
+                                                                       tp      [0 1] [2 3]
+                                                                       drivers [0 2]
+    """
+
+    tp: ParallelGroup  # this replica's tensor-parallel ranks
+    moe: ParallelGroup  # every rank of every replica: the experts are spread over them
+    drivers: ParallelGroup  # each replica's rank 0 (the engine cores' lock-step); rank = replica
+
+
+def join_data_parallel_groups(backend: str, replica: int, replicas: int, tp_size: int,
+                              tp_rank: int, host: str, port: int) -> DataParallelGroups:
+    """Join the group over every rank of every replica, then make the subgroups (every rank
+    makes each of them, in the same order, as torch.distributed requires)."""
+    import torch.distributed as dist
+
+    moe = join_group_at(backend, replica * tp_size + tp_rank, replicas * tp_size, host, port)
+    if tp_size == 1:
+        return DataParallelGroups(ParallelGroup(), moe, moe)
+    try:
+        mine: tuple[ProcessGroupHandle, ProcessGroupHandle] | None = None
+        for r in range(replicas):
+            ranks = list(range(r * tp_size, (r + 1) * tp_size))
+            device = dist.new_group(ranks, backend=backend)
+            cpu = device if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+            if r == replica:
+                mine = (device, cpu)
+        drivers = dist.new_group([r * tp_size for r in range(replicas)], backend="gloo")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    assert mine is not None
+    return DataParallelGroups(
+        ParallelGroup(rank=tp_rank, world_size=tp_size, device_group=mine[0], cpu_group=mine[1]),
+        moe, ParallelGroup(rank=replica, world_size=replicas, device_group=drivers,
+                           cpu_group=drivers))
 
 
 def _join_store(rank: int, rdzv: Rendezvous, listener: socket.socket | None,

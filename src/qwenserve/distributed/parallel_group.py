@@ -44,6 +44,17 @@ class ParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def max_flags(self, flags: list[int]) -> list[int]:
+        """Element-wise maximum of small integers over ranks, on the CPU group (data-parallel
+        replicas agree each step whether any has work, or is stopping)."""
+        if self.world_size == 1:
+            return list(flags)
+        import torch.distributed as dist
+
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return [int(v) for v in t.tolist()]
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank over the CPU group."""
         if self.world_size == 1:
@@ -51,7 +62,7 @@ class ParallelGroup:
         import torch.distributed as dist
 
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
+        dist.broadcast_object_list(box, group=self.cpu_group, group_src=src)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:

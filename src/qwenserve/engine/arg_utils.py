@@ -31,7 +31,11 @@ from qwenserve.multimodal.config import (
 from qwenserve.options.compilation import compilation_config_arg
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
-from qwenserve.spec_decode.config import mtp_num_layers, parse_speculative_config
+from qwenserve.spec_decode.config import (
+    DRAFT_MODEL,
+    mtp_num_layers,
+    parse_speculative_config,
+)
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -271,7 +275,7 @@ class EngineArgs:
                                                mtp_num_layers(model_config.hf_config))
         kv_transfer = self._kv_transfer_config()
         draft_model = None
-        if speculative is not None and speculative.model:  # the drafter, in the target's dtype
+        if speculative is not None and speculative.method == DRAFT_MODEL:  # target's dtype
             draft_model = EngineArgs(model=speculative.model, dtype=model_config.dtype,
                                      download_dir=self.download_dir
                                      ).create_model_config(platform)

@@ -79,14 +79,27 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - handed to the caller
             return UtilityResult(call.call_id, False, f"{type(e).__name__}: {e}")
 
-    def run_once(self) -> StepOutputs:
+    def has_step_to_run(self) -> bool:
+        """A step (one pass through the executor) is due here: requests, or KV holds to serve."""
+        return self.engine.has_unfinished_requests() or self.engine.has_kv_holds()
+
+    def run_once(self, step_with_peers: bool = False) -> StepOutputs:
         """One step if any request is unfinished; else report idle gauges once (aborts of the
-        last requests freed blocks and no step will report it). Returns what to send."""
+        last requests freed blocks and no step will report it). Returns what to send.
+
+        ``step_with_peers``: other data-parallel replicas step now (DP x EP, ``dp_lockstep.py``),
+        so an idle replica runs a dummy step. Either way at most one forward pass (a step with
+        nothing scheduled still runs the MoE exchanges there)."""
         if self.engine.has_unfinished_requests():
             self._pending.outputs.extend(self.engine.step())
         elif self.engine.has_kv_holds():  # registers new holds, frees pulled ones
             self._pending.outputs.extend(self.engine.step())
             self._idle_reported = True  # no busy loop: the next look comes with a command or 1 s
+        elif step_with_peers:
+            self.engine.execute_dummy_batch()
+            if not self._idle_reported:
+                self.engine.record_idle_stats()
+                self._idle_reported = True
         elif not self._idle_reported:
             self.engine.record_idle_stats()
             self._idle_reported = True

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import zmq
 
 from qwenserve import envs
+from qwenserve.config import DataParallelRank
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_messages import (
     Command,
@@ -78,9 +79,11 @@ class ProcCoreClient:
     engine_indexes: tuple[int, ...] = (0,)
 
     def __init__(self, engine_args: EngineArgs, omp_threads_bind: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 data_parallel: DataParallelRank | None = None) -> None:
         """``omp_threads_bind`` and ``env`` (added to the engine process's environment) give a
-        data-parallel replica its own cores and devices (``dp_client.py``)."""
+        data-parallel replica its own cores and devices, ``data_parallel`` its rank in the MoE
+        group over the replicas (``dp_client.py``)."""
         from qwenserve.engine.core_proc import CoreProcArguments
         from qwenserve.models.tokenizer import load_tokenizer
 
@@ -106,7 +109,8 @@ class ProcCoreClient:
             send_message(self._proc, CoreProcArguments(engine_args, input_address,
                                                        output_address,
                                                        omp_threads_bind
-                                                       or envs.cpu_omp_threads_bind()))
+                                                       or envs.cpu_omp_threads_bind(),
+                                                       data_parallel))
             self.ready = self._wait_ready(envs.engine_ready_timeout_s())
             self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.ready.config.model)
         except BaseException:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from qwenserve.config import DataParallelRank
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_binding import apply_binding, plan_binding, usable_cores
 from qwenserve.engine.core_messages import Command, EngineFailed, EngineReady, StepOutputs
@@ -38,6 +39,7 @@ class CoreProcArguments:
     input_address: str  # commands from the API process
     output_address: str  # step outputs to the API process
     omp_threads_bind: str  # QWENSERVE_CPU_OMP_THREADS_BIND, read by the API process
+    data_parallel: DataParallelRank | None = None  # DP x EP: the replica's MoE group rank
 
 
 def run_core(args: CoreProcArguments) -> int:
@@ -67,7 +69,7 @@ def _serve(args: CoreProcArguments, binding: str, inbox: zmq.Socket,
     from qwenserve.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine.from_engine_args(args.engine_args)
+        engine = LLMEngine.from_engine_args(args.engine_args, data_parallel=args.data_parallel)
     except Exception as e:  # noqa: BLE001 - one clear message for the user, in the API process
         logger.debug("The engine failed to start", exc_info=True)
         send(EngineFailed(str(e) or type(e).__name__))
@@ -76,6 +78,10 @@ def _serve(args: CoreProcArguments, binding: str, inbox: zmq.Socket,
     core = EngineCore(engine)
     send(core.ready_message())
     try:
+        if engine.dp_group is not None:  # DP x EP: step in lock with the other replicas
+            from qwenserve.engine.dp_lockstep import serve_in_lockstep
+
+            return serve_in_lockstep(core, engine.dp_group, inbox, send)
         while True:
             timeout_ms = 0 if core.has_work() else 1000
             while inbox.poll(timeout_ms):

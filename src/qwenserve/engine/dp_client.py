@@ -16,9 +16,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qwenserve import envs
+from qwenserve.config import DataParallelRank
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_binding import parse_cores, usable_cores
 from qwenserve.engine.core_client import (
@@ -38,6 +39,9 @@ from qwenserve.engine.core_messages import (
 from qwenserve.engine.dp_config import DataParallelConfig
 from qwenserve.engine.dp_router import DPRouter
 from qwenserve.logger import init_logger
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 logger = init_logger(__name__)
 
@@ -101,6 +105,7 @@ class DPCoreClient:
         self._calls: dict[int, _Gather] = {}
         self._sink: OutputSink | None = None
         self._closing = False
+        self.moe_group_store: TCPStore | None = None  # DP x EP: the replicas' rendezvous store
 
     @property
     def engine_indexes(self) -> tuple[int, ...]:
@@ -196,9 +201,11 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
                 f", rank(s) {_ranks(dp.remote_ranks)} joining at {dp.address}:{dp.rpc_port}"
                 if dp.remote_ranks else "")
     remote = RemoteReplicas(dp) if dp.remote_ranks else None
+    # DP x EP: the replicas form one MoE group; this process serves its rendezvous store.
+    store, placements = _moe_group_placements(engine_args, dp)
     starters: dict[int, Callable[[], Replica]] = {
         rank: (lambda b=bindings[k], e=device_envs[k], r=rank: ProcCoreClient(
-            engine_args.for_data_parallel_rank(r), b, e))
+            engine_args.for_data_parallel_rank(r), b, e, placements.get(r)))
         for k, rank in enumerate(dp.local_ranks)
     }
     if remote is not None:
@@ -216,8 +223,43 @@ def start_dp_client(engine_args: EngineArgs, dp: DataParallelConfig) -> DPCoreCl
             remote.close_handshake()
         rank, error = min(errors.items())
         raise EngineStartupError(f"data-parallel engine {rank}: {error}") from error
-    return DPCoreClient(started, dp.local_ranks[0],
-                        remote.close_handshake if remote is not None else None)
+    client = DPCoreClient(started, dp.local_ranks[0],
+                          remote.close_handshake if remote is not None else None)
+    client.moe_group_store = store  # kept alive while the replicas run
+    return client
+
+
+def _moe_group_placements(engine_args: EngineArgs, dp: DataParallelConfig
+                          ) -> tuple[TCPStore | None, dict[int, DataParallelRank]]:
+    """With --enable-expert-parallel, each local replica's rank in the MoE group over all
+    replicas, and the store they meet at when this process serves it: on a loopback port when
+    every replica is here, else on --data-parallel-address, port --data-parallel-rpc-port + 1,
+    served by rank 0's process (a head, or the server of --data-parallel-rank 0)."""
+    placements = moe_group_placements(engine_args, dp)
+    if not placements:
+        return None, {}
+    from qwenserve.distributed.init import LOOPBACK, serve_store
+
+    tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
+    world = dp.size * tp
+    logger.info("Expert parallelism over %d data-parallel replicas x %d rank(s): one MoE group "
+                "of %d ranks, stepping together", dp.size, tp, world)
+    if not dp.spans_processes:
+        store, port = serve_store(world)
+        return store, {rank: DataParallelRank(rank, dp.size, LOOPBACK, port)
+                       for rank in placements}
+    store = serve_store(world, host=dp.address, port=dp.moe_group_port)[0] \
+        if 0 in dp.local_ranks else None
+    return store, placements
+
+
+def moe_group_placements(engine_args: EngineArgs, dp: DataParallelConfig
+                         ) -> dict[int, DataParallelRank]:
+    """Each local replica's place in the MoE group over the replicas (none without it)."""
+    if dp.size == 1 or not getattr(engine_args, "enable_expert_parallel", False):
+        return {}
+    return {rank: DataParallelRank(rank, dp.size, dp.address, dp.moe_group_port)
+            for rank in dp.local_ranks}
 
 
 def replica_bindings(spec: str, available: list[int], num_local: int) -> list[str]:

@@ -9,7 +9,7 @@ vLLM's flags, resolved once by the server (``entrypoints/openai/cli_data_paralle
                                                                      ranks R..R+L-1, no API server
     external --data-parallel-size N --data-parallel-rank R           rank R alone behind this API
                                                                      server (vLLM's external load
-                                                                     balancing; dense models only)
+                                                                     balancing)
 """
 
 from __future__ import annotations
@@ -40,6 +40,17 @@ class DataParallelConfig:
         if self.headless or self.external:
             return ()
         return tuple(r for r in range(self.size) if r not in self.local_ranks)
+
+    @property
+    def moe_group_port(self) -> int:
+        """DP x EP over several nodes or servers: the MoE group's rendezvous port, next to the
+        handshake's on the head (rank 0's node)."""
+        return self.rpc_port + 1
+
+    @property
+    def spans_processes(self) -> bool:
+        """Replicas outside this process tree: on other nodes, or behind other servers."""
+        return self.headless or self.external or bool(self.remote_ranks)
 
     @property
     def engine_indexes(self) -> tuple[int, ...]:

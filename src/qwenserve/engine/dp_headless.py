@@ -28,7 +28,11 @@ import zmq
 from qwenserve import envs
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.core_binding import usable_cores
-from qwenserve.engine.dp_client import replica_bindings, replica_device_envs
+from qwenserve.engine.dp_client import (
+    moe_group_placements,
+    replica_bindings,
+    replica_device_envs,
+)
 from qwenserve.engine.dp_config import DataParallelConfig
 from qwenserve.engine.dp_remote import (
     DPHello,
@@ -52,6 +56,7 @@ def run_headless(engine_args: EngineArgs, dp: DataParallelConfig) -> int:
     tp = int(getattr(engine_args, "tensor_parallel_size", 1) or 1)
     bindings = replica_bindings(envs.cpu_omp_threads_bind(), usable_cores(), dp.size_local)
     device_envs = replica_device_envs(dp.size_local, tp)
+    placements = moe_group_placements(engine_args, dp)  # DP x EP: the head serves the store
     procs: dict[int, subprocess.Popen] = {}
     stop = threading.Event()  # SIGTERM/SIGINT: stop the engines (they follow us out)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -72,7 +77,8 @@ def run_headless(engine_args: EngineArgs, dp: DataParallelConfig) -> int:
                                            stdin=subprocess.PIPE, env=env)
             send_message(procs[rank], CoreProcArguments(engine_args.for_data_parallel_rank(rank),
                                                         welcome.input_address,
-                                                        welcome.output_address, bindings[k]))
+                                                        welcome.output_address, bindings[k],
+                                                        placements.get(rank)))
             logger.info("Data-parallel rank %d: engine process %d, serving the head at %s:%d",
                         rank, procs[rank].pid, dp.address, dp.rpc_port)
         return _wait(procs, stop, monitors)

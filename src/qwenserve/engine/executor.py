@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.plan import CachePlan
 from qwenserve.core.sched_output import ModelOutput, SchedulerOutput
+from qwenserve.distributed.init import join_data_parallel_groups, leave_parallel_group
+from qwenserve.distributed.parallel_group import ParallelGroup
 from qwenserve.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -20,8 +22,22 @@ if TYPE_CHECKING:
 
 class UniprocExecutor:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
-        self.worker = Worker(config, platform)
-        self.worker.load_model()
+        # DP x EP: this replica joins the MoE group over the replicas before the model is built
+        # (its experts are this rank's share); the engine core steps in lock with the others.
+        self.dp_group: ParallelGroup | None = None
+        placement = config.parallel.data_parallel
+        moe_group = None
+        if placement is not None:
+            groups = join_data_parallel_groups(platform.dist_backend, placement.rank,
+                                               placement.size, 1, 0, placement.host,
+                                               placement.port)
+            self.dp_group, moe_group = groups.drivers, groups.moe
+        try:
+            self.worker = Worker(config, platform, dp_ep=moe_group)
+            self.worker.load_model()
+        except BaseException:
+            self._leave_group()
+            raise
         self.specs = self.worker.specs
         self.load_s = self.worker.load_s
 
@@ -42,8 +58,14 @@ class UniprocExecutor:
         return self.worker.platform.describe(self.worker.device)
 
     def shutdown(self) -> None:
-        """Only the KV-transfer threads to stop in-process."""
+        """The KV-transfer threads to stop in-process, and the data-parallel MoE group."""
         self.worker.close()
+        self._leave_group()
+
+    def _leave_group(self) -> None:
+        if self.dp_group is not None:
+            leave_parallel_group(self.dp_group)
+            self.dp_group = None
 
 
 def make_executor(config: EngineConfig, platform: Platform

@@ -5,14 +5,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 from qwenserve import envs, platforms
-from qwenserve.config import EngineConfig
+from qwenserve.config import DataParallelRank, EngineConfig
 from qwenserve.core.cache.manager import CacheManager
+from qwenserve.core.sched_output import SchedulerOutput
 from qwenserve.core.scheduler import Scheduler
 from qwenserve.engine.arg_utils import EngineArgs
 from qwenserve.engine.executor import make_executor
@@ -32,6 +34,7 @@ from qwenserve.structured_output.service import GrammarService
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from qwenserve.distributed.parallel_group import ParallelGroup
     from qwenserve.platforms.base import Platform
 
 logger = init_logger(__name__)
@@ -70,10 +73,27 @@ class LLMEngine:
         self._log_startup()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
-        """The engine's entry point: the platform is resolved here, once, and passed down."""
+    def from_engine_args(cls, args: EngineArgs, data_parallel: DataParallelRank | None = None,
+                         **kwargs: Any) -> LLMEngine:
+        """The engine's entry point: the platform is resolved here, once, and passed down.
+        ``data_parallel``: this replica's rank in the MoE group over the replicas (DP x EP)."""
         platform = platforms.resolve_platform()
-        return cls(args.create_engine_config(platform), platform=platform, **kwargs)
+        config = args.create_engine_config(platform)
+        if data_parallel is not None:
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                config.parallel, data_parallel=data_parallel))
+        return cls(config, platform=platform, **kwargs)
+
+    @property
+    def dp_group(self) -> ParallelGroup | None:
+        """The MoE group over data-parallel replicas (DP x EP): the engine core steps in lock
+        with the other replicas when there is one."""
+        return self.executor.dp_group
+
+    def execute_dummy_batch(self) -> None:
+        """A step with no tokens of this replica's own, while other replicas step (DP x EP):
+        its MoE layers still take part in the exchange."""
+        self.executor.execute(SchedulerOutput())
 
     def _log_startup(self) -> None:
         mc, sched = self.config.model, self.config.scheduler

@@ -35,6 +35,7 @@ from qwenserve.core.sched_output import ModelOutput, SchedulerOutput
 from qwenserve.distributed.init import (
     Rendezvous,
     init_parallel_group,
+    join_data_parallel_groups,
     leave_parallel_group,
     rendezvous,
 )
@@ -178,11 +179,19 @@ class _Ranks:
 
 
 class MultiprocExecutor:
+    dp_group: ParallelGroup | None = None  # DP x EP: the replicas' drivers (lock-step)
+
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         check_tp_divides(config)
         check_no_process_group()
         self.config = config
-        rdzv, listener = rendezvous(config.parallel.tensor_parallel_size)
+        placement = config.parallel.data_parallel
+        if placement is None:
+            rdzv, listener = rendezvous(config.parallel.tensor_parallel_size)
+        else:  # DP x EP: every replica's ranks meet at the store the API process serves
+            rdzv = Rendezvous(placement.host, placement.port, config.parallel.tensor_parallel_size)
+            listener = None
+        moe: ParallelGroup | None = None
         self.is_driver_node = rdzv.node_rank == 0
         self._ranks = _Ranks()
         # Runs on shutdown(), when the executor is collected, or at exit: whichever comes first.
@@ -194,10 +203,16 @@ class MultiprocExecutor:
             if not self.is_driver_node:
                 self._host_workers(rdzv)
             platform.device(0)
-            self.tp = init_parallel_group(platform.dist_backend, 0, rdzv, listener,
-                                          check_peers=self._ranks.raise_if_dead)
+            if placement is None:
+                self.tp = init_parallel_group(platform.dist_backend, 0, rdzv, listener,
+                                              check_peers=self._ranks.raise_if_dead)
+            else:
+                groups = join_data_parallel_groups(
+                    platform.dist_backend, placement.rank, placement.size, rdzv.world_size, 0,
+                    placement.host, placement.port)
+                self.tp, moe, self.dp_group = groups.tp, groups.moe, groups.drivers
             self._ranks.tp = self.tp
-            self.worker = Worker(config, platform, self.tp, 0)
+            self.worker = Worker(config, platform, self.tp, 0, dp_ep=moe)
             self.worker.load_model()
         except BaseException:
             if listener is not None:

@@ -75,14 +75,25 @@ def agree_on_plan(worker: Worker, tp: ParallelGroup) -> CachePlan:
 
 def run_rank(args: RankArguments) -> None:
     """Set up, then execute broadcast steps until told to stop."""
-    from qwenserve.distributed.init import init_parallel_group, leave_parallel_group
+    from qwenserve.distributed.init import (
+        init_parallel_group,
+        join_data_parallel_groups,
+        leave_parallel_group,
+    )
     from qwenserve.platforms import resolve_platform
     from qwenserve.worker.worker import Worker
 
     platform = resolve_platform(args.config.platform_name)
     platform.device(args.local_rank)
-    tp = init_parallel_group(platform.dist_backend, args.rank, args.rdzv)
-    worker = Worker(args.config, platform, tp, args.local_rank)
+    placement, moe = args.config.parallel.data_parallel, None
+    if placement is None:
+        tp = init_parallel_group(platform.dist_backend, args.rank, args.rdzv)
+    else:  # DP x EP: the MoE group spans every replica's ranks
+        groups = join_data_parallel_groups(platform.dist_backend, placement.rank,
+                                           placement.size, args.rdzv.world_size, args.rank,
+                                           placement.host, placement.port)
+        tp, moe = groups.tp, groups.moe
+    worker = Worker(args.config, platform, tp, args.local_rank, dp_ep=moe)
     worker.load_model()
     worker.init_cache(agree_on_plan(worker, tp))
     worker.warm_up()

@@ -281,14 +281,31 @@ class MoEBlock(SparseMoeBlock):
     vLLM does over the TP ranks, while the shared expert stays sliced. Either way each rank's
     output is a partial sum of the block's output, so one all-reduce completes it: tokens are
     replicated on every rank, so the all-gather/reduce-scatter dispatch of vLLM's all-to-all
-    backends reduces to this when there is no data parallelism."""
+    backends reduces to this when there is no data parallelism.
+
+    With data parallelism (``dp_ep``: one group over every rank of every data-parallel replica)
+    each replica has its own tokens and each rank whole experts of its own: ``forward``
+    all-gathers every replica's tokens (padded to the largest count), runs this rank's experts on
+    all of them, adds its own tokens' shared expert (its tensor-parallel slice) in its replica's
+    rows, all-reduces and keeps its replica's rows::
+
+        replica r: x [n_r, H] --all-gather--> [R*m, H] --local experts--> partial [R*m, H]
+                   + shared(x) in rows r*m .. r*m+n_r --all-reduce--> keep rows r*m .. r*m+n_r
+
+    Every replica must call it the same number of times: an idle replica runs it on zero
+    tokens (``run_idle``), as vLLM's idle data-parallel ranks run dummy batches."""
 
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
                  shared_intermediate_size: int = 0, renormalize: bool | None = None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, dp_ep: ParallelGroup | None = None) -> None:
+        if dp_ep is not None and dp_ep.world_size > tp.world_size:
+            ep = dp_ep
+        else:
+            dp_ep, ep = None, tp
         sliced = MoEShard(tp_rank=tp.rank, tp_size=tp.world_size)
-        shards = ({"shard": MoEShard.expert_parallel(cfg.num_experts, tp.rank, tp.world_size),
-                   "shared_shard": sliced} if expert_parallel else {"shard": sliced})
+        shards = ({"shard": MoEShard.expert_parallel(cfg.num_experts, ep.rank, ep.world_size),
+                   "shared_shard": sliced} if expert_parallel or dp_ep is not None
+                  else {"shard": sliced})
         super().__init__(
             num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
@@ -298,6 +315,43 @@ class MoEBlock(SparseMoeBlock):
         for p in self.parameters():
             p.requires_grad_(False)
         self.tp = tp
+        self.dp_ep = dp_ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        if self.dp_ep is None:
+            return self.tp.all_reduce(super().forward(x))
+        return self._forward_across_replicas(x, self.dp_ep)
+
+    def _forward_across_replicas(self, x: torch.Tensor, ep: ParallelGroup) -> torch.Tensor:
+        """The tokens are the same on a replica's tensor-parallel ranks: gathered over all
+        ranks, one copy per replica is kept (its tensor-parallel rank 0's)."""
+        n, tp = x.shape[0], self.tp.world_size
+        counts = ep.all_gather(torch.tensor([n], dtype=torch.int64), dim=0).tolist()
+        m = max(counts)
+        if m == 0:
+            return x
+        padded = x.new_zeros(m, x.shape[1])
+        padded[:n] = x
+        gathered = ep.all_gather(padded, dim=0)  # [R*tp*m, H]
+        everyone = gathered.view(-1, tp, m, x.shape[1])[:, 0].reshape(-1, x.shape[1])  # [R*m, H]
+        out = self.experts(everyone, self.gate(everyone))
+        replica = ep.rank // tp
+        own = slice(replica * m, replica * m + n)
+        if self.shared_expert is not None and n:
+            se = self.shared_expert
+            out[own] += torch.sigmoid(self.shared_expert_gate(x)) * swiglu(x, se.w13[0],
+                                                                           se.w2[0])
+        return ep.all_reduce(out)[own]
+
+    def run_idle(self) -> None:
+        """This replica's part of a step it has no tokens for (data parallelism only)."""
+        if self.dp_ep is not None:
+            self.forward(self.gate.weight.new_zeros(0, self.gate.in_features))
+
+
+def run_idle_moe(model: nn.Module) -> None:
+    """An idle data-parallel replica's dummy step: each MoE layer's exchange, in layer order,
+    with zero tokens (nothing else in the forward pass talks to the other replicas)."""
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            module.run_idle()

@@ -43,6 +43,7 @@ class ModelContext:
     quant: QuantConfig | None = None  # quantized checkpoints: a linear method per layer
     ssm_dtype: torch.dtype = torch.float32  # Gated DeltaNet state (--mamba-ssm-cache-dtype)
     expert_parallel: bool = False  # MoE experts whole per rank (--enable-expert-parallel)
+    dp_ep: ParallelGroup | None = None  # the MoE group over data-parallel replicas (DP x EP)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         """How the linear layer at ``prefix`` computes: the quantization's method for it, else

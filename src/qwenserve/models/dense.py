@@ -140,12 +140,20 @@ class DecoderModel(nn.Module):
             head_dim = config_head_dim(cfg)
             rotary = RotaryEmbedding(cfg, head_dim, head_dim, ctx.max_model_len)
         self.norm, self.rotary = norm, rotary
+        # EAGLE-3: the layers whose input hidden states the head reads (empty: none kept).
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None  # [T, len(ids) * H], the last forward's
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 caches: ModelCaches) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layer_ids:
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, batch, caches, self.rotary)
+        if aux:
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)
         x, _ = self.norm(x, residual)
         return x
 

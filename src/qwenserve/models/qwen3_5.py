@@ -202,7 +202,7 @@ class Qwen3_5ForCausalLM(DenseForCausalLM):
         if is_moe_layer(cfg, layer_id):
             return MoEBlock(cfg, ctx.dtype, ctx.tp, cfg.shared_expert_intermediate_size,
                             renormalize=self.moe_renormalize,
-                            expert_parallel=ctx.expert_parallel)
+                            expert_parallel=ctx.expert_parallel, dp_ep=ctx.dp_ep)
         return MLP(ctx, cfg.intermediate_size, False, f"model.layers.{layer_id}.mlp")
 
     @classmethod

@@ -17,11 +17,11 @@ if TYPE_CHECKING:
 NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
 MTP = "mtp"
+EAGLE3 = "eagle3"  # an EAGLE-3 head (``"model"``: its folder) reading the target's hidden states
 # vLLM's names for the checkpoint's own multi-token-prediction head; all run as ``mtp``.
 MTP_METHODS = (MTP, "qwen3_5_mtp", "qwen3_next_mtp")
 REFUSED_METHODS = {
     "eagle": "EAGLE heads are not implemented in qwenserve",
-    "eagle3": "EAGLE-3 heads are not implemented in qwenserve",
     "medusa": "Medusa heads are not implemented in qwenserve",
     "mlp_speculator": "MLP speculators are not implemented in qwenserve",
     "suffix": "suffix decoding is not implemented in qwenserve",
@@ -62,18 +62,18 @@ def parse_speculative_config(value: str | dict[str, Any] | None,
     method = value.get("method") or (DRAFT_MODEL if value.get("model") else None)
     if method is None:
         raise ValueError('--speculative-config needs "method": "ngram", "draft_model" '
-                         '(with "model") or "mtp"')
+                         '(with "model"), "eagle3" (with "model") or "mtp"')
     if method in REFUSED_METHODS:
         raise ValueError(f"--speculative-config method {method!r}: {REFUSED_METHODS[method]}; "
-                         "use ngram, draft_model or mtp")
+                         "use ngram, draft_model, eagle3 or mtp")
     if method in MTP_METHODS:
         if value.get("model"):
             raise ValueError(f'--speculative-config method {method!r} uses the target '
                              'checkpoint\'s own mtp.* head; remove "model"')
         method = MTP
-    if method not in (NGRAM, DRAFT_MODEL, MTP):
+    if method not in (NGRAM, DRAFT_MODEL, MTP, EAGLE3):
         raise ValueError(f"--speculative-config method {method!r} is unknown; use ngram, "
-                         "draft_model or mtp")
+                         "draft_model, eagle3 or mtp")
     k = _int(value, "num_speculative_tokens", mtp_layers if method == MTP else None)
     if k is None or k < 1:
         raise ValueError("--speculative-config needs num_speculative_tokens >= 1")
@@ -88,11 +88,14 @@ def parse_speculative_config(value: str | dict[str, Any] | None,
             raise ValueError("--speculative-config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {lo} and {hi}")
         config = SpeculativeConfig(NGRAM, k, lo, hi, None, config.disable_by_batch_size)
-    elif method == MTP:
+    elif method in (MTP, EAGLE3):
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if value.get(key) is not None:
                 raise ValueError(f"--speculative-config {key} applies to method ngram only; "
                                  "remove it")
+        if method == EAGLE3 and not config.model:
+            raise ValueError('--speculative-config method eagle3 needs "model": the EAGLE-3 '
+                             "head's folder or hub id (trained for this target)")
     elif not config.model:
         raise ValueError('--speculative-config method draft_model needs "model": the '
                          "drafter's folder (same vocabulary as the target)")
@@ -123,8 +126,8 @@ def mtp_num_layers(hf_config: PretrainedConfig) -> int:
 
 
 def mtp_lookahead_tokens(config: SpeculativeConfig | None) -> int:
-    """KV slots to allocate past each step's tokens: MTP draft steps 2..k write the head's KV
-    at the k - 1 positions after the last one the target computes."""
-    if config is None or config.method != MTP:
+    """KV slots to allocate past each step's tokens: MTP / EAGLE-3 draft steps 2..k write the
+    head's KV at the k - 1 positions after the last one the target computes."""
+    if config is None or config.method not in (MTP, EAGLE3):
         return 0
     return config.num_speculative_tokens - 1

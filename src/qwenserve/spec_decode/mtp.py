@@ -32,12 +32,14 @@ from qwenserve.core.sched_output import ScheduledChunk
 from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
+from qwenserve.models.eagle3 import Eagle3Head
 from qwenserve.models.qwen3_5_mtp import Qwen3_5MTP
 from qwenserve.spec_decode.proposer import RequestTokens, too_many
 
 
 class MtpProposer:
-    def __init__(self, head: Qwen3_5MTP, caches: ModelCaches, attn_backend: AttentionBackend,
+    def __init__(self, head: Qwen3_5MTP | Eagle3Head, caches: ModelCaches,
+                 attn_backend: AttentionBackend,
                  block_size: int, device: torch.device, num_tokens: int,
                  max_model_len: int, disable_by_batch_size: int | None = None) -> None:
         self.head = head

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qwenserve.core.cache.spec import CacheSpec, RecurrentStateSpec
-from qwenserve.spec_decode.config import MTP, mtp_num_layers
+from qwenserve.spec_decode.config import EAGLE3, MTP, mtp_num_layers
 
 if TYPE_CHECKING:
     from qwenserve.config import EngineConfig
@@ -19,6 +19,10 @@ def check_speculative(config: EngineConfig, specs: list[CacheSpec], draft_specs:
         return
     if spec.method == MTP:
         _check_mtp(config, has_mtp_head)
+    if spec.method == EAGLE3 and config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--speculative-config method eagle3 with --tensor-parallel-size > 1 is "
+                         "not implemented yet (the head runs on the driver rank only); use TP=1 "
+                         "or remove --speculative-config")
     if (any(isinstance(s, RecurrentStateSpec) for s in specs)
             and config.parallel.tensor_parallel_size > 1):
         raise ValueError(

@@ -28,16 +28,26 @@ from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.agent import KVTransferAgent
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches
+from qwenserve.layers.moe import run_idle_moe
 from qwenserve.logger import init_logger
 from qwenserve.models.base import CausalLM, ModelClass, ModelContext
+from qwenserve.models.dense import DecoderModel
 from qwenserve.models.dummy_weights import fill_dummy_weights
+from qwenserve.models.eagle3 import (
+    Eagle3Head,
+    eagle3_aux_layer_ids,
+    eagle3_cache_spec,
+    iter_head_weights,
+    load_eagle3_config,
+)
 from qwenserve.models.loader import iter_safetensors, iter_weights, safetensors_files
 from qwenserve.models.qwen3_5_mtp import MTP_PREFIXES
 from qwenserve.models.registry import load_model_class
 from qwenserve.models.sharded_state import load_sharded_state
 from qwenserve.sampling_params import SamplingParams
-from qwenserve.spec_decode.config import MTP
+from qwenserve.spec_decode.config import EAGLE3, MTP
 from qwenserve.spec_decode.draft_model import DraftModelProposer
+from qwenserve.spec_decode.eagle3 import Eagle3Proposer
 from qwenserve.spec_decode.mtp import MtpProposer
 from qwenserve.spec_decode.proposer import NgramLookup, Proposer
 from qwenserve.spec_decode.support import check_speculative
@@ -58,9 +68,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Worker:
     def __init__(self, config: EngineConfig, platform: Platform, tp: ParallelGroup = SINGLE,
-                 local_rank: int = 0):
+                 local_rank: int = 0, dp_ep: ParallelGroup | None = None):
+        """``dp_ep``: the MoE group over data-parallel replicas (DP x EP), if any."""
         self.config = config
         self.tp = tp
+        self.dp_ep = dp_ep
         self.platform = platform
         self.platform.configure_process()
         self.device = self.platform.device(local_rank)
@@ -83,6 +95,13 @@ class Worker:
         if self.use_mtp:
             self.specs = self.specs + self.model_cls.mtp_cache_specs(
                 config.model.hf_config, tp.world_size, self.dtype.itemsize)
+        # EAGLE-3: a separate head; its attention KV likewise one more paged layer.
+        self.eagle3 = load_eagle3_config(config.speculative.model, config.model.hf_config) \
+            if config.speculative is not None and config.speculative.method == EAGLE3 else None
+        if self.eagle3 is not None:
+            self.specs = self.specs + [eagle3_cache_spec(
+                self.eagle3.hf_config, config.model.hf_config.num_hidden_layers, tp.world_size,
+                self.dtype.itemsize)]
         self.mtp_head: nn.Module | None = None
         self._model: CausalLM | None = None
         self.runner: ModelRunner | None = None
@@ -99,6 +118,8 @@ class Worker:
                                           is_draft=True)
         if self.use_mtp:
             self.mtp_head = self._load_mtp_head()
+        if self.eagle3 is not None:
+            self.mtp_head = self._load_eagle3_head()
         self.load_s = time.perf_counter() - start
 
     @property
@@ -115,7 +136,8 @@ class Worker:
                            max_model_len=mc.max_model_len, tp=self.tp,
                            backends=self.backends, quant=quant,
                            ssm_dtype=self.ssm_dtype,
-                           expert_parallel=self.config.parallel.enable_expert_parallel)
+                           expert_parallel=self.config.parallel.enable_expert_parallel,
+                           dp_ep=None if is_draft else self.dp_ep)
         try:
             with torch.device(self.device):
                 model = model_cls(ctx)
@@ -158,6 +180,29 @@ class Worker:
         else:
             head.load_weights(iter_safetensors(safetensors_files(mc.source.folder), MTP_PREFIXES),
                               mc.source.folder)
+        return head.eval()
+
+    def _load_eagle3_head(self) -> Eagle3Head:
+        """The EAGLE-3 head (unquantized, its own folder); turns on the target's aux states."""
+        assert self.eagle3 is not None
+        decoder = getattr(self.model, "model", None)
+        arch = self.config.model.architecture
+        if not isinstance(decoder, DecoderModel):
+            raise ValueError(f"--speculative-config method eagle3: {arch} does not expose its "
+                             "layers' hidden states in qwenserve (dense and MoE Qwen/Llama "
+                             "models do); use ngram or draft_model")
+        mc = self.config.model
+        decoder.aux_layer_ids = eagle3_aux_layer_ids(self.eagle3.hf_config,
+                                                     mc.hf_config.num_hidden_layers)
+        ctx = ModelContext(hf_config=self.eagle3.hf_config, dtype=self.dtype,
+                           max_model_len=mc.max_model_len, tp=self.tp, backends=self.backends)
+        with torch.device(self.device):
+            head = Eagle3Head(ctx, decoder, mc.hf_config.num_hidden_layers,
+                              mc.hf_config.hidden_size)
+        if self.config.load_format == "dummy":
+            fill_dummy_weights(head, self.config.seed + 1)
+        else:
+            head.load_weights(iter_head_weights(self.eagle3.folder), self.eagle3.folder)
         return head.eval()
 
     def _quant(self) -> QuantConfig | None:
@@ -249,6 +294,11 @@ class Worker:
         spec = self.config.speculative
         if spec is None or not self.tp.is_driver:
             return None
+        if self.eagle3 is not None:
+            return Eagle3Proposer(self.mtp_head, self.model.model, caches,
+                                  self.backends.attention, plan.block_size, self.device,
+                                  spec.num_speculative_tokens,
+                                  self.config.scheduler.max_model_len, spec.disable_by_batch_size)
         if self.use_mtp:
             return MtpProposer(self.mtp_head, caches, self.backends.attention, plan.block_size,
                                self.device, spec.num_speculative_tokens,
@@ -282,6 +332,10 @@ class Worker:
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         assert self.runner is not None, "init_cache() first"
+        if self.dp_ep is not None and sched.is_empty:  # DP x EP: the other replicas may step
+            out = self.runner.execute(sched)
+            run_idle_moe(self.model)
+            return out
         if self.kv_agent is None:
             return self.runner.execute(sched)
         self.kv_agent.apply(sched)

@@ -127,7 +127,9 @@ def test_help_groups_like_vllm(capsys):
         (["--rope-theta=1e6"], "--rope-theta is not implemented yet in qwenserve"),
         (["--disable-custom-all-reduce"], "--disable-custom-all-reduce is not implemented yet"),
         (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
-         "method 'eagle3': EAGLE-3 heads are not implemented"),
+         'method eagle3 needs "model"'),
+        (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+         "method 'eagle': EAGLE heads are not implemented"),
         (["--speculative-config.method", "ngram"], "num_speculative_tokens >= 1"),
     ],
 )

@@ -96,8 +96,13 @@ def test_data_parallel_layouts_and_refusals():
     alone = data_parallel_config(parse(["-dp", "2", "--data-parallel-rank", "1"]))
     assert alone.external and alone.local_ranks == (1,) and alone.engine_indexes == (1,)
     assert data_parallel_config(parse(["-dp", "2"])).local_ranks == (0, 1)
-    message = refusal(["-dp", "2", "--enable-expert-parallel"])
-    assert "error: --data-parallel-size 2 with --enable-expert-parallel" in message
+    # DP x EP: one node or several, any tensor parallel size; not with speculative decoding
+    assert parse(["-dp", "2", "-tp", "2", "--enable-expert-parallel"]).data_parallel_size == 2
+    assert parse(["--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
+                  "--enable-expert-parallel"]).headless
+    assert "--speculative-config" in refusal(["-dp", "2", "--enable-expert-parallel",
+                                              "--speculative-config",
+                                              '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert "--api-server-count 2" in refusal(["--api-server-count", "2"])
     assert "--data-parallel-start-rank" in refusal(["--headless", "-dp", "2"])
     assert "--headless" in refusal(["-dp", "2", "--data-parallel-start-rank", "1"])

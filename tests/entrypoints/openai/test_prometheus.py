@@ -130,10 +130,15 @@ def test_log_line_adds_the_mm_cache_hit_rate_once_queried(caplog):
 
     totals = [MultiModalCacheStats()]
     line = LoggingStatLogger(interval_s=0.0, mm_cache=lambda: totals[0])
-    with caplog.at_level(logging.INFO, logger="qwenserve.engine"):
-        line.record(stats(0, 0, 0))
-        totals[0] = MultiModalCacheStats(queries=4, hits=1)
-        line.record(stats(0, 0, 0))
+    engine_log = logging.getLogger("qwenserve.engine")  # qwenserve's loggers do not propagate
+    engine_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="qwenserve.engine"):
+            line.record(stats(0, 0, 0))
+            totals[0] = MultiModalCacheStats(queries=4, hits=1)
+            line.record(stats(0, 0, 0))
+    finally:
+        engine_log.removeHandler(caplog.handler)
     first, second = [r.getMessage() for r in caplog.records][-2:]
     assert "MM cache" not in first  # vLLM shows it once the cache has been queried
     assert second.endswith("MM cache hit rate: 25.0%")

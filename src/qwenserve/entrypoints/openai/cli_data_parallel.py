@@ -1,9 +1,10 @@
 """vLLM's data-parallel flags, checked and resolved into ``DataParallelConfig``
 (``engine/dp_config.py`` says what each layout runs).
 
-Refused by name, with the reason: ``--enable-expert-parallel`` with more than one rank (vLLM
-makes all ranks one MoE group stepping together; qwenserve's replicas step independently), and
-``--api-server-count`` above 1 (each engine answers one API process).
+``--enable-expert-parallel`` with more than one rank makes the replicas one MoE group stepping
+together (``engine/dp_lockstep.py``), on one node or several (the group's store on the head at
+``--data-parallel-address``, port ``--data-parallel-rpc-port`` + 1). ``--api-server-count`` above 1 is refused (each
+engine answers one API process).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def add_data_parallel_flags(group: AddsArguments) -> None:
                        help="The first rank this node runs (with --headless).")
     group.add_argument("--data-parallel-rank", "-dpn", type=int, default=None,
                        help="Run only this rank behind this server (vLLM's external load "
-                       "balancing: one server per rank; dense models).")
+                       "balancing: one server per rank).")
     group.add_argument("--data-parallel-address", "-dpa", default=None,
                        help=f"The head node's address (default {DEFAULT_ADDRESS}).")
     group.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
@@ -81,11 +82,9 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
         return "--data-parallel-rank and --headless: give one (a rank behind its own server, or "\
                "a node of engines for a head)"
     if size > 1 and getattr(ns, "enable_expert_parallel", False):
-        return (f"--data-parallel-size {size} with --enable-expert-parallel: vLLM makes all "
-                "data-parallel ranks one MoE group (experts spread over TP x DP ranks, idle "
-                "ranks stepping dummy batches); qwenserve's replicas step independently and do "
-                "not form that group yet. Use --data-parallel-size 1 (experts over the tensor-"
-                "parallel ranks), or drop --enable-expert-parallel")
+        problem = _expert_parallel_problem(ns, size)
+        if problem is not None:
+            return problem
     start = ns.data_parallel_start_rank or 0
     local = ns.data_parallel_size_local
     if rank is not None:
@@ -108,6 +107,17 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
         return (f"--data-parallel-start-rank {start} without --headless: the head node runs "
                 "rank 0 onwards; start the other nodes with --headless")
     return _log_single(ns, size)
+
+
+def _expert_parallel_problem(ns: argparse.Namespace, size: int) -> str | None:
+    """DP x EP: one MoE group over every rank of every replica, stepping together; refused with
+    speculative decoding, which may run several forward passes in a step."""
+    if getattr(ns, "speculative_config", None):
+        return (f"--speculative-config with --data-parallel-size {size} and "
+                "--enable-expert-parallel: the replicas form one MoE group stepping together, "
+                "one forward pass per step on every replica, and speculative decoding may run "
+                "more; the two are not supported together yet. Drop one of them")
+    return None
 
 
 def _log_single(ns: argparse.Namespace, size: int) -> None:

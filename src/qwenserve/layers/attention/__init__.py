@@ -8,6 +8,7 @@ from qwenserve.layers.attention.base import AttentionBackend, AttentionMetadata,
 
 _BACKENDS = {
     "torch_ref": ("qwenserve.layers.attention.torch_ref", "TorchRefBackend"),
+    "cpu_native": ("qwenserve.layers.attention.cpu_native", "CpuNativeBackend"),
 }
 
 

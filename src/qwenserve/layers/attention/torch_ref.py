@@ -1,4 +1,4 @@
-"""Pure-PyTorch paged attention: the CPU path and the oracle for faster backends.
+"""Pure-PyTorch paged attention: the reference for faster backends, and their fallback.
 
 Decodes (one query token) are batched into a single SDPA call over contexts gathered from the
 cache and padded to the longest; each prefill chunk gets its own causal SDPA call.
@@ -111,7 +111,7 @@ class TorchRefBackend(AttentionBackend):
         out = torch.empty_like(q)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = _decode(q[:n], kv_cache, meta, scale)
+            out[:n] = self.decode(q[:n], kv_cache, meta, scale)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.ctx_blocks is None:
@@ -121,6 +121,12 @@ class TorchRefBackend(AttentionBackend):
                                                                     meta.block_size))
             out[rows] = _prefill(q[rows], ks, vs, scale)
         return out
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
+               scale: float) -> torch.Tensor:
+        """The batched single-token decodes, q [n, Hq, D] -> [n, Hq, D] (a faster backend
+        overrides this and keeps the cache writes and prefills)."""
+        return _decode(q, kv_cache, meta, scale)
 
 
 def _context_blocks(c: ChunkLayout, block_size: int) -> list[int]:

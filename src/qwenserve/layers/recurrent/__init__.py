@@ -1,5 +1,5 @@
 """Gated DeltaNet (Qwen3.5 linear-attention) kernels: the seam in ``base``, the reference in
-``torch_ref``/``delta_rule``, and the gated RMSNorm that ends the layer."""
+``torch_ref``/``delta_rule``, the CPU backend in ``fused``, and the gated RMSNorm that ends the layer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from qwenserve.layers.recurrent.base import (
     RecurrentBackend,
     build_gdn_metadata,
 )
+from qwenserve.layers.recurrent.fused import FusedRecurrentBackend
 from qwenserve.layers.recurrent.gated_norm import RMSNormGated, rms_norm_gated
 from qwenserve.layers.recurrent.torch_ref import (
     TorchRefRecurrentBackend,
@@ -17,7 +18,10 @@ from qwenserve.layers.recurrent.torch_ref import (
     gdn_gating,
 )
 
-_BACKENDS = {"torch_ref": TorchRefRecurrentBackend}
+_BACKENDS: dict[str, type[RecurrentBackend]] = {
+    "torch_ref": TorchRefRecurrentBackend,
+    "fused": FusedRecurrentBackend,  # CPU: native decode/conv, merged chunk scan
+}
 
 
 def get_recurrent_backend(name: str) -> RecurrentBackend:
@@ -29,6 +33,7 @@ def get_recurrent_backend(name: str) -> RecurrentBackend:
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "FusedRecurrentBackend",
     "GDNMetadata",
     "RMSNormGated",
     "RecurrentBackend",

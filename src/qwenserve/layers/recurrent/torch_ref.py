@@ -100,7 +100,7 @@ def _initial_states(
     return states.masked_fill_(~has_init[:, None, None, None], 0.0)
 
 
-def _decode(
+def recurrent_decode(
     qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata, out: torch.Tensor
 ) -> None:
     """One vectorised recurrent step for every 1-token request."""
@@ -112,7 +112,7 @@ def _decode(
     pool.index_copy_(0, meta.decode_slots, states.to(pool.dtype))
 
 
-def _prefill(
+def chunked_prefill(
     qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata, out_rows: torch.Tensor
 ) -> None:
     """Chunked kernel over every multi-token request at once (layout in ``GDNMetadata``).
@@ -152,9 +152,9 @@ def gated_delta_net_forward(
     out_rows = qkvgb[2].new_empty(num_tokens * heads + 1, dv)  # [T*Hv + 1, Dv] fp32, + dump row
     out = out_rows[:-1].view(num_tokens, heads, dv)  # [num_tokens, Hv, Dv]
     if meta.num_decodes:
-        _decode(qkvgb, ssm_state, meta, out)
+        recurrent_decode(qkvgb, ssm_state, meta, out)
     if meta.num_prefills:
-        _prefill(qkvgb, ssm_state, meta, out_rows)
+        chunked_prefill(qkvgb, ssm_state, meta, out_rows)
     return out.to(v.dtype)
 
 

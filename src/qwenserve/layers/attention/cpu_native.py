@@ -1,0 +1,45 @@
+"""CPU paged attention with a C++ decode kernel that reads K and V in place in the cache.
+
+The pure-PyTorch backend gathers every decode's context blocks into a padded copy of K and V,
+per layer and step, before one masked SDPA call; this one hands the block tables to
+``native/csrc/decode_attention.cpp`` instead, which walks them. Cache writes and prefill chunks
+are ``torch_ref``'s (PyTorch's flash kernel). Where the kernel cannot be built (no compiler,
+``QWENSERVE_NATIVE=0``) the decodes run ``torch_ref``'s code too: same results, one log line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qwenserve.layers.attention.base import ChunkLayout
+from qwenserve.layers.attention.torch_ref import TorchRefBackend, TorchRefMetadata, _decode
+from qwenserve.native import kernels
+
+
+@dataclass
+class CpuNativeMetadata(TorchRefMetadata):
+    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int64
+
+
+class CpuNativeBackend(TorchRefBackend):
+    name = "cpu_native"
+
+    def __init__(self) -> None:
+        self.kernels = kernels.decode_attention()
+
+    def build_metadata(self, chunks: list[ChunkLayout], block_size: int,
+                       device: torch.device) -> CpuNativeMetadata:
+        meta = super().build_metadata(chunks, block_size, device)
+        lens = [c.ctx_len for c in chunks[: meta.num_decodes]]
+        return CpuNativeMetadata(
+            **{f: getattr(meta, f) for f in TorchRefMetadata.__dataclass_fields__},
+            decode_ctx_lens=torch.tensor(lens, dtype=torch.long, device=device) if lens else None)
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CpuNativeMetadata,
+                scale: float) -> torch.Tensor:
+        if self.kernels is None or not self.kernels.supports(q, kv_cache):
+            return _decode(q, kv_cache, meta, scale)
+        return self.kernels(q, kv_cache, meta.decode_blocks, meta.decode_ctx_lens,
+                            meta.block_size, scale)

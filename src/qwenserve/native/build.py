@@ -1,0 +1,102 @@
+"""Compile, cache and load a native kernel library, or explain in one line why not.
+
+Sources are plain C++ with ``extern "C"`` entry points, loaded with ctypes, so a build takes
+seconds (no torch headers) and needs only a compiler. The library links the process's OpenMP
+runtime by soname (``libgomp.so.1``, the one torch already loaded), so its threads are torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+
+from qwenserve import envs
+from qwenserve.logger import init_logger
+
+logger = init_logger(__name__)
+
+# The host's vector ISA: the kernels are built on the machine that runs them.
+DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+_FALLBACK = "; using the PyTorch kernels"
+
+
+def native_enabled() -> bool:
+    """False when ``QWENSERVE_NATIVE=0`` asks for the pure-PyTorch kernels (CI covers both)."""
+    return envs.native_kernels_enabled()
+
+
+def compiler() -> str | None:
+    """The C++ compiler (``$CXX``, else ``c++``) when it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _library_path(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for path in sources:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(" ".join(cflags).encode())
+    digest.update(platform.machine().encode())
+    return os.path.join(envs.cache_dir(), "native", f"lib{name}-{digest.hexdigest()[:16]}.so")
+
+
+def _compile(cxx: str, sources: tuple[str, ...], cflags: tuple[str, ...], target: str) -> None:
+    """Build into a temporary file and rename it: processes building at once (TP ranks) each
+    produce a whole library, and a reader never sees half of one."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *cflags, "-shared", "-fPIC", *sources, "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=600)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _load(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> ctypes.CDLL | None:
+    if not native_enabled():
+        logger.info("native %s kernels off (QWENSERVE_NATIVE=0)%s", name, _FALLBACK)
+        return None
+    cxx = compiler()
+    if cxx is None:
+        logger.warning("native %s kernels not built: no C++ compiler (%r) on PATH%s",
+                       name, os.environ.get("CXX", "c++"), _FALLBACK)
+        return None
+    target = _library_path(name, sources, cflags)
+    if not os.path.isfile(target):
+        logger.info("compiling native %s kernels (first use; cached in %s)", name,
+                    os.path.dirname(target))
+        start = time.perf_counter()
+        try:
+            _compile(cxx, sources, cflags, target)
+        except subprocess.CalledProcessError as e:
+            first = (e.stderr or "").strip().splitlines()[:1] or [f"exit {e.returncode}"]
+            logger.warning("native %s kernels failed to build (%s)%s", name, first[0][:200],
+                           _FALLBACK)
+            return None
+        except (OSError, subprocess.TimeoutExpired) as e:
+            logger.warning("native %s kernels failed to build (%s)%s", name, e, _FALLBACK)
+            return None
+        logger.info("native %s kernels built in %.1f s", name, time.perf_counter() - start)
+    try:
+        return ctypes.CDLL(target)
+    except OSError as e:
+        logger.warning("native %s kernels failed to load (%s)%s", name, e, _FALLBACK)
+        return None
+
+
+def load_library(name: str, sources: list[str],
+                 cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> ctypes.CDLL | None:
+    """The compiled library ``name`` built from ``sources`` (absolute paths), or None (logged
+    once) when native kernels are off or cannot be built here."""
+    return _load(name, tuple(sources), tuple(cflags))

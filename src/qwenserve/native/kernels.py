@@ -1,0 +1,59 @@
+"""Typed Python faces of the native kernels; each library is built on first use."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from qwenserve.native.build import DEFAULT_CFLAGS, load_library
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Vectorised expf (glibc's libmvec) in the softmax; the kernels test NaN by its bits.
+FAST_MATH = ("-ffast-math",)
+
+
+class DecodeAttention:
+    """``csrc/decode_attention.cpp``: paged decode attention reading the cache in place."""
+
+    DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {}
+        for dtype, name in self.DTYPES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+
+    def supports(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (q.dtype in self._fns and kv_cache.dtype == q.dtype and q.device.type == "cpu"
+                and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0)
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 ctx_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+        """q [n, Hq, D], kv_cache [2, num_slots, Hkv, D] (contiguous), block_tables
+        [n, W] int64, ctx_lens [n] int64 -> [n, Hq, D]."""
+        q = q.contiguous()
+        tables, lens = block_tables.contiguous(), ctx_lens.contiguous()
+        assert tables.dtype == lens.dtype == torch.int64 and tables.shape[0] == q.shape[0]
+        n, hq, d = q.shape
+        hkv = kv_cache.shape[2]
+        out = torch.empty_like(q)
+        status = self._fns[q.dtype](out.data_ptr(), q.data_ptr(), kv_cache[0].data_ptr(),
+                                    kv_cache[1].data_ptr(), tables.data_ptr(),
+                                    tables.shape[1],
+                                    lens.data_ptr(), n, hq, hkv, d, block_size, scale)
+        if status:
+            raise ValueError(f"paged_decode: unsupported shape q {tuple(q.shape)}, "
+                             f"kv_cache {tuple(kv_cache.shape)}")
+        return out
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The decode-attention kernel, or None (logged) where it cannot be built."""
+    lib = load_library("qwenserve_decode_attention", [os.path.join(CSRC, "decode_attention.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
+    return None if lib is None else DecodeAttention(lib)

@@ -1,0 +1,169 @@
+"""Every recurrent (Gated DeltaNet) backend against the token-by-token reference: prefill chunks,
+decode steps and the conv, on varlen batches with initial states (prefix-cache restores and
+continuations), in fp32 and bf16. ``fused`` runs twice: with its C++ kernels, and with them
+off (the fallback a machine without a compiler gets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
+from qwenserve.layers.recurrent import fused as fused_module
+from qwenserve.layers.recurrent.delta_rule import recurrent_gated_delta_rule
+
+HK, HV, DK, DV, K = 2, 4, 16, 8, 4
+ATOL = 2e-5
+
+
+@pytest.fixture(params=["torch_ref", "fused", "fused-no-native"])
+def backend(request, monkeypatch) -> RecurrentBackend:
+    if request.param == "fused-no-native":
+        monkeypatch.setattr(fused_module, "native_ops", lambda: None)
+        return get_recurrent_backend("fused")
+    if request.param == "fused" and fused_module.native_ops() is None:
+        pytest.skip("no C++ toolchain here: the fallback case covers this backend")
+    return get_recurrent_backend(request.param)
+
+
+def make_qkvgb(num_tokens: int, seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, HK, DK, generator=gen)  # [T, Hk, Dk]
+    k = torch.randn(num_tokens, HK, DK, generator=gen)  # [T, Hk, Dk]
+    v = torch.randn(num_tokens, HV, DV, generator=gen)  # [T, Hv, Dv]
+    g = -2.0 * torch.rand(num_tokens, HV, generator=gen)  # [T, Hv] log decay <= 0
+    beta = torch.rand(num_tokens, HV, generator=gen)  # [T, Hv]
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta
+
+
+def cu(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def check_against_recurrence(backend, lens, slots, has_init, dtype=torch.float32, atol=ATOL,
+                             seed=0):
+    """One varlen step through the backend == each request alone, token by token (fp32)."""
+    q, k, v, g, beta = make_qkvgb(sum(lens), seed, dtype)
+    pool = torch.randn(max(slots) + 2, HV, DK, DV)  # [num_slots, Hv, Dk, Dv] fp32
+    for slot, init in zip(slots, has_init, strict=True):
+        if not init:
+            pool[slot] = float("nan")  # a fresh request's slot holds garbage: must not leak in
+    before = pool.clone()
+    meta = backend.build_metadata(cu(lens), slots, has_init, "cpu")
+    out = backend.gated_delta_rule(q, k, v, g, beta, pool, meta)  # [T, Hv, Dv]
+    assert out.dtype == dtype
+    qsl = cu(lens)
+    for i, slot in enumerate(slots):
+        span = slice(qsl[i], qsl[i + 1])
+        init = before[slot] if has_init[i] else None
+        o, s = recurrent_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span], init)
+        torch.testing.assert_close(out[span].float(), o, atol=atol, rtol=atol)
+        torch.testing.assert_close(pool[slot], s, atol=atol, rtol=atol)
+    torch.testing.assert_close(pool[-1], before[-1])  # an unscheduled slot is untouched
+
+
+def test_mixed_varlen_step(backend) -> None:
+    check_against_recurrence(backend, [1, 70, 1, 5, 130, 2, 1], [6, 0, 3, 2, 5, 7, 1],
+                             [True, False, False, True, True, False, True])
+
+
+def test_decode_only_batch(backend) -> None:
+    """A whole decode batch (the path the C++ kernel takes), some slots fresh."""
+    check_against_recurrence(backend, [1] * 9, [8, 3, 0, 5, 1, 7, 2, 6, 4],
+                             [True, True, False, True, True, True, False, True, True], seed=1)
+
+
+def test_prefills_from_restored_states(backend) -> None:
+    """Prefill chunks that continue a state (chunked prefill, a prefix-cache restore)."""
+    check_against_recurrence(backend, [64, 33, 17, 100], [2, 0, 3, 1], [True, True, True, False],
+                             seed=2)
+
+
+def test_bf16_inputs(backend) -> None:
+    """bf16 activations, fp32 state: within bf16's rounding of the fp32 recurrence."""
+    check_against_recurrence(backend, [1, 40, 1, 3], [0, 1, 2, 3], [True, False, True, True],
+                             dtype=torch.bfloat16, atol=2e-2, seed=3)
+
+
+def test_chunked_prefill_across_steps_equals_one_pass(backend) -> None:
+    """90 tokens as 33 + 1 + 50 + 6 (states carried through the pool) == one 90-token pass."""
+    q, k, v, g, beta = make_qkvgb(90, seed=4)
+    pool = torch.full((2, HV, DK, DV), float("nan"))
+    whole = backend.gated_delta_rule(q, k, v, g, beta, pool.clone()[:1].contiguous(),
+                                     backend.build_metadata([0, 90], [0], [False], "cpu"))
+    parts, done = [], 0
+    for n in (33, 1, 50, 6):
+        meta = backend.build_metadata([0, n], [1], [done > 0], "cpu")
+        span = slice(done, done + n)
+        parts.append(backend.gated_delta_rule(q[span], k[span], v[span], g[span], beta[span],
+                                              pool, meta))
+        done += n
+    torch.testing.assert_close(torch.cat(parts), whole, atol=ATOL, rtol=ATOL)
+
+
+def conv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """F.conv1d over one whole sequence with K-1 zeros of left padding, then silu (fp32)."""
+    y = F.conv1d(x.float().T[None], weight.float()[:, None], bias, padding=K - 1,
+                 groups=x.shape[1])  # [1, C, T+K-1]
+    return F.silu(y[0, :, : x.shape[0]].T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_conv_varlen_continuations(backend, dtype, with_bias) -> None:
+    """Two sequences advanced in steps of 3, 1, 2, 6 / 5, 2, 1, 4 tokens (several shorter than
+    K-1, several single-token decodes) beside a fresh one-shot request, against F.conv1d over
+    each whole sequence; 300 channels span more than one of the C++ kernel's channel blocks."""
+    conv_dim = 300
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(conv_dim, K, generator=gen).to(dtype)  # [conv_dim, K]
+    bias = torch.randn(conv_dim, generator=gen) if with_bias else None
+    seqs = [torch.randn(12, conv_dim, generator=gen).to(dtype) for _ in range(2)]
+    other = torch.randn(7, conv_dim, generator=gen).to(dtype)
+    state = torch.full((4, K - 1, conv_dim), float("nan"), dtype=dtype)  # garbage at first
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    got, done = [[], []], [0, 0]
+    for steps in ([3, 5], [1, 2], [2, 1], [6, 4]):
+        parts = [s[d : d + n] for s, d, n in zip(seqs, done, steps, strict=True)] + [other]
+        x = torch.cat(parts)  # [num_tokens, conv_dim]
+        meta = backend.build_metadata(cu([p.shape[0] for p in parts]), [2, 0, 3],
+                                      [done[0] > 0, done[1] > 0, False], "cpu")
+        y = backend.causal_conv1d(x, weight, bias, state, meta)
+        assert y.dtype == dtype
+        qsl = cu([p.shape[0] for p in parts])
+        for i in range(2):
+            got[i].append(y[qsl[i] : qsl[i + 1]])
+            done[i] += steps[i]
+        torch.testing.assert_close(y[qsl[2] :].float(), conv_reference(other, weight, bias), **tol)
+    for i, slot in enumerate([2, 0]):
+        torch.testing.assert_close(torch.cat(got[i]).float(), conv_reference(seqs[i], weight, bias),
+                                   **tol)
+        torch.testing.assert_close(state[slot], seqs[i][-(K - 1) :])  # raw inputs, exactly
+
+
+def test_backends_agree_on_a_decode_batch_in_bf16() -> None:
+    """The C++ decode step and conv == the reference's on the same bf16 step (fp32 state)."""
+    if fused_module.native_ops() is None:
+        pytest.skip("no C++ toolchain here")
+    ref, fast = get_recurrent_backend("torch_ref"), get_recurrent_backend("fused")
+    n, conv_dim = 6, 2 * HK * DK + HV * DV
+    meta = ref.build_metadata(list(range(n + 1)), [5, 4, 3, 2, 1, 0], [True] * 5 + [False], "cpu")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, conv_dim, generator=gen).bfloat16()
+    weight = torch.randn(conv_dim, K, generator=gen).bfloat16()
+    conv = torch.randn(n, K - 1, conv_dim, generator=gen).bfloat16()
+    ssm = torch.randn(n, HV, DK, DV, generator=gen)
+    conv2, ssm2 = conv.clone(), ssm.clone()
+    y_ref, y = ref.causal_conv1d(x, weight, None, conv, meta), fast.causal_conv1d(
+        x, weight, None, conv2, meta)
+    torch.testing.assert_close(y, y_ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(conv2, conv)
+    q, k, v, g, beta = make_qkvgb(n, seed=8, dtype=torch.bfloat16)
+    o_ref = ref.gated_delta_rule(q, k, v, g, beta, ssm, meta)
+    o = fast.gated_delta_rule(q, k, v, g, beta, ssm2, meta)
+    torch.testing.assert_close(o, o_ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ssm2, ssm, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,55 @@
+"""The native build's fallbacks: each returns None with one log line, never raises."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from qwenserve.native import build
+
+SOURCE = os.path.join(os.path.dirname(__file__), "missing_kernel.cpp")
+
+
+def _load(caplog, name: str):
+    build._load.cache_clear()
+    with caplog.at_level(logging.INFO, logger="qwenserve"):
+        return build.load_library(name, [SOURCE])
+
+
+def test_switched_off_by_env(monkeypatch, caplog):
+    monkeypatch.setenv("QWENSERVE_NATIVE", "0")
+    assert _load(caplog, "off_kernels") is None
+    assert "QWENSERVE_NATIVE=0" in caplog.text
+
+
+def test_no_compiler(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "no-such-compiler-qwenserve")
+    assert _load(caplog, "nocc_kernels") is None
+    assert "no C++ compiler ('no-such-compiler-qwenserve')" in caplog.text
+
+
+def test_failed_build_falls_back(monkeypatch, caplog, tmp_path):
+    if build.compiler() is None:
+        return  # nothing to compile with: the case above covers this machine
+    monkeypatch.setenv("QWENSERVE_CACHE_DIR", str(tmp_path))
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    build._load.cache_clear()
+    with caplog.at_level(logging.INFO, logger="qwenserve"):
+        assert build.load_library("bad_kernels", [str(bad)], cflags=("-O0",)) is None
+    assert "failed to build" in caplog.text and "using the PyTorch kernels" in caplog.text
+
+
+def test_builds_once_then_loads_from_the_cache(monkeypatch, caplog, tmp_path):
+    if build.compiler() is None:
+        return
+    monkeypatch.setenv("QWENSERVE_CACHE_DIR", str(tmp_path))
+    src = tmp_path / "add.cpp"
+    src.write_text('extern "C" int add(int a, int b) { return a + b; }\n')
+    for expect_compile in (True, False):
+        build._load.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="qwenserve"):
+            lib = build.load_library("add_kernels", [str(src)], cflags=("-O1",))
+        assert lib is not None and lib.add(2, 3) == 5
+        assert ("compiling native add_kernels" in caplog.text) == expect_compile
