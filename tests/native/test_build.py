@@ -53,3 +53,24 @@ def test_builds_once_then_loads_from_the_cache(monkeypatch, caplog, tmp_path):
             lib = build.load_library("add_kernels", [str(src)], cflags=("-O1",))
         assert lib is not None and lib.add(2, 3) == 5
         assert ("compiling native add_kernels" in caplog.text) == expect_compile
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """Loading a kernel library must not switch the process to flush-to-zero (GCC's -ffast-math
+    links crtfastmath.o into shared objects before GCC 13, which does that at load time)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from qwenserve.native.kernels import decode_attention\n"
+        "from qwenserve.layers.recurrent.fused import native_ops\n"
+        "loaded = decode_attention() is not None and native_ops() is not None\n"
+        "tiny = torch.tensor([1e-38], dtype=torch.float32) * 1e-3\n"
+        "print(loaded, float(tiny[0]) != 0.0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    if out[0] != "True":  # no compiler here: nothing was loaded, nothing to check
+        return
+    assert out[1] == "True", "a native library turned on flush-to-zero for the whole process"

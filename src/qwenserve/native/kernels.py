@@ -12,7 +12,12 @@ from qwenserve.native.build import DEFAULT_CFLAGS, load_library
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Vectorised expf (glibc's libmvec) in the softmax; the kernels test NaN by its bits.
-FAST_MATH = ("-ffast-math",)
+# The parts of -ffast-math that let GCC vectorise the reductions, not -ffast-math itself: before
+# GCC 13 that also links crtfastmath.o into shared objects, which turns on flush-to-zero and
+# denormals-are-zero for the whole process when the library loads (torch's arithmetic included).
+# No -ffinite-math-only either: the kernels mask with -inf.
+FAST_MATH = ("-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+             "-freciprocal-math")
 
 
 class DecodeAttention:
