@@ -120,25 +120,13 @@ def init_parallel_group(backend: str, rank: int, rdzv: Rendezvous,
     ``check_peers`` (which raises when a local worker died) while it waits. Either the group is
     returned, or no process group is left behind.
     """
-    import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _join_store(rank, rdzv, listener, timeout)
     if rank == 0:
         _wait_for_ranks(store, rdzv, check_peers, timeout_s)
-    try:
-        with _gloo_on_loopback(rdzv.nnodes == 1):
-            dist.init_process_group(backend=backend, store=store, rank=rank,
-                                    world_size=rdzv.world_size, timeout=timeout)
-            world = dist.group.WORLD
-            cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo",
-                                                                       timeout=timeout)
-    except BaseException:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-    return ParallelGroup(rank=rank, world_size=rdzv.world_size, device_group=world,
-                         cpu_group=cpu_group)
+    return _group_from_store(backend, store, rank, rdzv.world_size, timeout,
+                             loopback=rdzv.nnodes == 1)
 
 
 def serve_store(world_size: int, timeout_s: float = 600.0, host: str = LOOPBACK,
@@ -166,19 +154,8 @@ def join_group_at(backend: str, rank: int, world_size: int, host: str, port: int
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout,
                           wait_for_workers=False)
-    try:
-        with _gloo_on_loopback(host == LOOPBACK):
-            dist.init_process_group(backend=backend, store=store, rank=rank,
-                                    world_size=world_size, timeout=timeout)
-            world = dist.group.WORLD
-            cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo",
-                                                                       timeout=timeout)
-    except BaseException:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-    return ParallelGroup(rank=rank, world_size=world_size, device_group=world,
-                         cpu_group=cpu_group)
+    return _group_from_store(backend, store, rank, world_size, timeout,
+                             loopback=host == LOOPBACK)
 
 
 @dataclass(frozen=True)
@@ -305,3 +282,24 @@ def leave_parallel_group(tp: ParallelGroup, meet: bool = True) -> None:
         except Exception:  # a peer died or already left
             pass
     dist.destroy_process_group()
+
+
+def _group_from_store(backend: str, store: dist.Store, rank: int, world_size: int,
+                      timeout: datetime.timedelta, loopback: bool) -> ParallelGroup:
+    """The process group over ``store`` (plus a gloo group for CPU objects when the device
+    backend is not gloo); a failed start leaves no half-made default group behind."""
+    import torch.distributed as dist
+
+    try:
+        with _gloo_on_loopback(loopback):
+            dist.init_process_group(backend=backend, store=store, rank=rank,
+                                    world_size=world_size, timeout=timeout)
+            world = dist.group.WORLD
+            cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo",
+                                                                       timeout=timeout)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return ParallelGroup(rank=rank, world_size=world_size, device_group=world,
+                         cpu_group=cpu_group)
