@@ -3,7 +3,8 @@
 Offline (default): ``LLM.generate`` of the same random-weight model of a ``common.py`` shape
 (``--shape``, default Qwen2.5-0.5B; ``--dtype``, default float32) on the workload of
 ``../shared/research/anchors.md``: 64 requests of 256 random prompt tokens and 128 output tokens
-each (ignore EOS, greedy). The two engines run in alternating subprocesses (rounds qwenserve,
+each (ignore EOS, greedy); ``--num-prompts/--input-len/--output-len`` change it (e.g. ``--output-len
+1`` for prefill only). The two engines run in alternating subprocesses (rounds qwenserve,
 vLLM, vLLM, qwenserve, ...) so that load drifting over time hits both alike.
 
 Served (``--served``): ``qwenserve serve`` and ``vllm serve`` with the same flags, started in
@@ -36,30 +37,34 @@ NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, VOCAB = 64, 256, 128, 151643
 RESULT_MARKER = "RESULT "
 
 
-def workload(seed: int = 0) -> list[list[int]]:
+def workload(args: argparse.Namespace, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(PROMPT_LEN)] for _ in range(NUM_REQUESTS)]
+    return [[rng.randrange(VOCAB) for _ in range(args.input_len)]
+            for _ in range(args.num_prompts)]
 
 
-def result(start: float, ready: float, end: float, outs_tokens: int) -> dict:
+def result(args: argparse.Namespace, start: float, ready: float, end: float,
+           outs_tokens: int) -> dict:
+    prompt_tokens = args.num_prompts * args.input_len
     return {"startup_s": ready - start, "seconds": end - ready, "output_tokens": outs_tokens,
             "output_tok_s": outs_tokens / (end - ready),
-            "total_tok_s": (outs_tokens + NUM_REQUESTS * PROMPT_LEN) / (end - ready)}
+            "prompt_tok_s": prompt_tokens / (end - ready),
+            "total_tok_s": (outs_tokens + prompt_tokens) / (end - ready)}
 
 
-def worker_qwenserve(path: str, dtype: str) -> dict:
+def worker_qwenserve(path: str, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     from qwenserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype=dtype, max_model_len=1024)
+    llm = LLM(path, dtype=args.dtype, max_model_len=1024)
     ready = time.perf_counter()
-    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in workload()], params)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in workload(args)], params)
     end = time.perf_counter()
-    return result(start, ready, end, sum(len(o.outputs[0].token_ids) for o in outs))
+    return result(args, start, ready, end, sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def worker_vllm(path: str, dtype: str) -> dict:
+def worker_vllm(path: str, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     import importlib.metadata as metadata
 
@@ -70,13 +75,13 @@ def worker_vllm(path: str, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=path, dtype=dtype, max_model_len=1024, seed=0)
+    llm = LLM(model=path, dtype=args.dtype, max_model_len=1024, seed=0)
     ready = time.perf_counter()
-    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in workload()], params,
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in workload(args)], params,
                         use_tqdm=False)
     end = time.perf_counter()
-    return result(start, ready, end, sum(len(o.outputs[0].token_ids) for o in outs))
+    return result(args, start, ready, end, sum(len(o.outputs[0].token_ids) for o in outs))
 
 
 def bench_env(threads: int, system: str) -> dict[str, str]:
@@ -90,7 +95,8 @@ def bench_env(threads: int, system: str) -> dict[str, str]:
 
 def run(python: str, system: str, path: str, args: argparse.Namespace) -> dict:
     proc = subprocess.run([python, __file__, "--worker", system, "--model", path,
-                           "--dtype", args.dtype], capture_output=True, text=True,
+                           "--dtype", args.dtype, *workload_flags(args)],
+                          capture_output=True, text=True,
                           env=bench_env(args.threads, system), timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} failed:\n{proc.stderr[-4000:]}")
@@ -98,13 +104,18 @@ def run(python: str, system: str, path: str, args: argparse.Namespace) -> dict:
     return json.loads(proc.stdout.split(RESULT_MARKER, 1)[1].splitlines()[0])
 
 
+def workload_flags(args: argparse.Namespace) -> list[str]:
+    return ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len)]
+
+
 def serve_round(system: str, path: str, args: argparse.Namespace) -> dict[str, dict]:
     """One server of ``system`` driven by ``vllm bench serve`` at every rate; its result rows."""
     import vs_vllm_serve as vs
 
     serve_args = argparse.Namespace(
-        max_model_len=1024, max_num_seqs=256, dtype=args.dtype, num_prompts=NUM_REQUESTS,
-        input_len=PROMPT_LEN, output_len=OUTPUT_LEN)
+        max_model_len=1024, max_num_seqs=256, dtype=args.dtype, num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len)
     port = vs.free_port()
     flags = [*vs.engine_flags(serve_args, path), "--host", "127.0.0.1", "--port", str(port),
              "--disable-log-requests"]
@@ -132,22 +143,23 @@ def serve_round(system: str, path: str, args: argparse.Namespace) -> dict[str, d
 def command_line(args: argparse.Namespace) -> str:
     served = f" --served --rates {args.rates}" if args.served else ""
     return (f"python benchmarks/vs_vllm_cpu.py --vllm-python {args.vllm_python} --shape "
-            f"{args.shape} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads}"
-            f"{served}")
+            f"{args.shape} --dtype {args.dtype} --rounds {args.rounds} --threads {args.threads} "
+            f"{' '.join(workload_flags(args))}{served}")
 
 
 def offline_table(results: dict[str, list[dict]]) -> None:
-    print("| system | output tok/s (runs) | median | total tok/s | start-up s |\n"
-          "|---|---|---|---|---|")
+    print("| system | output tok/s (runs) | median | prompt tok/s | total tok/s | start-up s |\n"
+          "|---|---|---|---|---|---|")
     for system, runs in results.items():
         def med(key: str, runs: list[dict] = runs) -> float:
             return statistics.median(r[key] for r in runs)
         each = ", ".join(f"{r['output_tok_s']:.1f}" for r in runs)
-        print(f"| {system} | {each} | {med('output_tok_s'):.1f} | {med('total_tok_s'):.1f} | "
+        print(f"| {system} | {each} | {med('output_tok_s'):.1f} | {med('prompt_tok_s'):.1f} | "
+              f"{med('total_tok_s'):.1f} | "
               f"{med('startup_s'):.0f} |")
-    ratio = (statistics.median(r["output_tok_s"] for r in results["qwenserve"])
-             / statistics.median(r["output_tok_s"] for r in results["vllm"]))
-    print(f"qwenserve / vLLM CPU output throughput: {ratio:.2f}x")
+    ratio = (statistics.median(r["total_tok_s"] for r in results["qwenserve"])
+             / statistics.median(r["total_tok_s"] for r in results["vllm"]))
+    print(f"qwenserve / vLLM CPU throughput (same tokens, so any column's ratio): {ratio:.2f}x")
 
 
 def served_table(results: dict[str, list[dict]], rates: list[str]) -> None:
@@ -178,13 +190,17 @@ def main() -> None:
     p.add_argument("--vllm-cli", default=os.path.join(HERE, "..", "..", "shared", "tools",
                                                        "vllm_cli.py"),
                    help="the `vllm` command shim of the vLLM environment (tools/README.md)")
+    p.add_argument("--num-prompts", type=int, default=NUM_REQUESTS)
+    p.add_argument("--input-len", type=int, default=PROMPT_LEN, help="random prompt tokens each")
+    p.add_argument("--output-len", type=int, default=OUTPUT_LEN,
+                   help="output tokens each (1: prefill only)")
     p.add_argument("--rounds", type=int, default=1, help="each round runs both, order alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--log-dir", default=None, help="server logs of --served (default: a tmp dir)")
     args = p.parse_args()
     if args.worker:
         fn = worker_qwenserve if args.worker == "qwenserve" else worker_vllm
-        print(RESULT_MARKER + json.dumps(fn(args.model, args.dtype)), flush=True)
+        print(RESULT_MARKER + json.dumps(fn(args.model, args)), flush=True)
         return
     sys.path.insert(0, HERE)
     from common import shaped_model
