@@ -1,5 +1,5 @@
-"""The CPU platform's float GEMM (oneDNN) agrees with F.linear, and a loaded model uses it in
-every float linear layer and its LM head."""
+"""The CPU platform's float GEMM (oneDNN) agrees with F.linear, and a loaded model uses it (with
+decode rows through the native skinny GEMM) in every float linear layer and its LM head."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from qwenserve import LLM
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.linear import LinearBase
+from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.platforms.cpu import CpuPlatform
 
 
@@ -44,6 +45,6 @@ def test_model_layers_use_the_platform_linear(tiny_model):
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     assert layers and heads
-    expected = linear or F.linear
+    expected = with_skinny_gemm(linear or F.linear, CpuPlatform.skinny_gemm_max_rows)
     assert all(m.quant_method.linear is expected for m in layers)
     assert all(h.float_linear is expected for h in heads)

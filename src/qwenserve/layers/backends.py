@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from qwenserve.layers.attention import AttentionBackend, get_attention_backend
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
+from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.quantization.kernels import Int8Matmul
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ class Backends:
         return cls(
             attention=get_attention_backend(platform.default_attention_backend),
             recurrent=get_recurrent_backend(platform.default_recurrent_backend),
-            float_linear=platform.float_linear() or F.linear,
+            float_linear=with_skinny_gemm(platform.float_linear() or F.linear,
+                                          platform.skinny_gemm_max_rows),
             int8_mm=Int8Matmul(platform),
         )
 

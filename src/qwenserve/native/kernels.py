@@ -62,3 +62,41 @@ def decode_attention() -> DecodeAttention | None:
     lib = load_library("qwenserve_decode_attention", [os.path.join(CSRC, "decode_attention.cpp")],
                        cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
     return None if lib is None else DecodeAttention(lib)
+
+
+class Gemv:
+    """``csrc/gemv.cpp``: ``x @ w.T`` for a few rows of x (decode), streaming the [N, K] weight
+    once; float32, and int8 x int8 -> int32 (exact, as ``torch._int_mm``)."""
+
+    MAX_ROWS = 4  # fp32 decode rows; from 8 rows oneDNN's blocked GEMM wins (benchmarks.md)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._f32, self._s8 = lib.gemv_f32, lib.gemv_s8s32
+        for fn in (self._f32, self._s8):
+            fn.argtypes = [_P, _P, _P, _I, _I, _I]
+            fn.restype = ctypes.c_int
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``__call__`` takes this pair: CPU, same dtype, a contiguous [N, K] weight."""
+        return (x.dtype == w.dtype and x.dtype in (torch.float32, torch.int8)
+                and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
+                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
+                and w.shape[1] > 0 and w.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [..., K], w [N, K] contiguous -> [..., N] (float32, or int32 for int8)."""
+        n, k = w.shape
+        x2 = x.reshape(-1, k).contiguous()
+        out = torch.empty(x2.shape[0], n, dtype=torch.float32 if x.dtype == torch.float32
+                          else torch.int32)
+        fn = self._f32 if x.dtype == torch.float32 else self._s8
+        if fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(), x2.shape[0], n, k):
+            raise ValueError(f"gemv: unsupported shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
+        return out.view(*x.shape[:-1], n)
+
+
+def gemv() -> Gemv | None:
+    """The skinny-GEMM kernel, or None (logged) where it cannot be built."""
+    lib = load_library("qwenserve_gemv", [os.path.join(CSRC, "gemv.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
+    return None if lib is None else Gemv(lib)

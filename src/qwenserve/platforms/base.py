@@ -21,6 +21,9 @@ class Platform(ABC):
     default_attention_backend: ClassVar[str] = "torch_ref"  # layers/attention/__init__.py
     default_recurrent_backend: ClassVar[str] = "torch_ref"  # layers/recurrent/__init__.py
     default_block_size: ClassVar[int] = 16
+    # GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
+    # (native/csrc/gemv.cpp, which streams the weight once) where it builds; 0: never.
+    skinny_gemm_max_rows: ClassVar[int] = 0
     supported_block_sizes: ClassVar[tuple[int, ...]] = (1, 8, 16, 32, 64, 128, 256)
 
     @classmethod
@@ -79,6 +82,11 @@ class Platform(ABC):
         int8 GEMM for these shapes: the caller then dequantizes the weight on the fly.
         """
         return None
+
+    def int8_skinny_max_rows(self) -> int:
+        """Up to how many rows an int8 GEMM goes to the native skinny GEMM instead of
+        ``int8_scaled_mm`` (0: never)."""
+        return self.skinny_gemm_max_rows
 
 
 def int32_epilogue(acc: torch.Tensor, scale: torch.Tensor, token_scale: torch.Tensor | None,

@@ -64,6 +64,10 @@ class CpuPlatform(Platform):
     # gather + SDPA (docs/benchmarks.md).
     default_attention_backend = "cpu_native"
     default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
+    # Decode-sized fp32 GEMMs (1-4 rows) stream the weight once in native/csrc/gemv.cpp: 1.0-1.7x
+    # oneDNN's CPU time per shape at 1-4 rows on the AVX2 EPYC (docs/benchmarks.md, "GEMM
+    # routes"); from 8 rows oneDNN's blocked kernel wins.
+    skinny_gemm_max_rows = 4
 
     @classmethod
     def is_available(cls) -> bool:
@@ -104,12 +108,21 @@ class CpuPlatform(Platform):
         # oneDNN for the shapes a model runs (benchmarks.md); bf16 already goes to oneDNN.
         return _onednn_linear if _has_onednn_linear() else None
 
+    def int8_skinny_max_rows(self) -> int:
+        # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 6.5 ms per row of x on a
+        # 9728 x 896 weight on the AVX2 EPYC, 20-25x fp32's time at any row count, while the
+        # native kernel's vpmaddwd loop runs 4 rows per pass over the weight faster than fp32:
+        # there it takes every int8 GEMM. With VNNI/AMX, oneDNN keeps all but decode rows.
+        if {"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags():
+            return self.skinny_gemm_max_rows
+        return 1 << 62
+
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,
                        int_bias: torch.Tensor | None = None,
                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-        # oneDNN's int8 GEMM (VNNI where present) beat fp32 GEMM at every batch size measured,
-        # on AVX512-VNNI and AVX2 alike (docs/quantization.md). w_q.t() is a column-major view,
+        # oneDNN's int8 GEMM (VNNI) beat fp32 GEMM at every batch size measured on AVX512-VNNI
+        # (docs/quantization.md); see int8_skinny_max_rows for AVX2. w_q.t() is a column-major view,
         # the layout oneDNN reads fastest: no transposed copy of the weight.
         if not _has_int_mm():
             return None

@@ -68,17 +68,30 @@ def int8_mm_reference(a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
 
 
 class Int8Matmul:
-    """The int8 GEMM of one platform, with the dequantizing fallback."""
+    """The int8 GEMM of one platform, with the dequantizing fallback. Up to the platform's
+    ``int8_skinny_max_rows`` rows it runs the native kernel (``native/csrc/gemv.cpp``: exact
+    int32 sums, read from the [N, K] int8 weight as stored) where that builds."""
 
     def __init__(self, platform: Platform | None) -> None:
         self.platform = platform
+        self.skinny_rows = platform.int8_skinny_max_rows() if platform is not None else 0
+        self.skinny = None
+        if self.skinny_rows > 0:
+            from qwenserve.native.kernels import gemv
+
+            self.skinny = gemv()
 
     def __call__(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                  token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
         """a_q [M, K] int8, w_q [N, K] int8, scale [N], token_scale [M, 1] -> [M, N]."""
         out = None
-        if self.platform is not None:
+        if (self.skinny is not None and a_q.shape[0] <= self.skinny_rows
+                and self.skinny.supports(a_q, w_q)):
+            from qwenserve.platforms.base import int32_epilogue
+
+            out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias, out_dtype)
+        elif self.platform is not None:
             out = self.platform.int8_scaled_mm(a_q, w_q, scale, token_scale, int_bias, out_dtype)
         if out is None:
             out = int8_mm_reference(a_q, w_q, scale, token_scale, int_bias, out_dtype)

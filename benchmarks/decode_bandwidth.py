@@ -1,0 +1,108 @@
+"""Batch-1 decode against this machine's weight-streaming bandwidth, measured in the same run.
+
+A batch-1 decode step reads every weight once, so ``weight bytes / step time`` is the bandwidth
+the step achieved; the machine's is a read-only reduction over a 1 GiB float32 tensor
+(``torch.sum``, the same threads). Engines on the Qwen2.5-0.5B shape (random weights,
+benchmarks/common.py), built once and measured in alternating rounds (median step time):
+
+    fp32 native   decode GEMMs through native/csrc/gemv.cpp (the CPU default)
+    fp32 oneDNN   the same model with the skinny route off (``skinny_gemm_max_rows = 0``)
+    int8 native   ``--quantization int8`` (W8A8; on CPUs without VNNI every int8 GEMM is native)
+    int8 oneDNN   W8A8 through ``torch._int_mm`` (``--int8-onednn``: very slow without VNNI)
+
+    PYTHONPATH=src python benchmarks/decode_bandwidth.py [--threads 2] [--steps 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import QWEN25_05B, random_model  # noqa: E402
+from int8_decode import MAX_MODEL_LEN, decode_step_seconds  # noqa: E402
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of the fastest of ``repeats`` full reads (torch.sum, current threads)."""
+    import torch
+
+    big = torch.ones(int(gib * (1 << 30)) // 4)
+    big.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best
+
+
+def build(path: str, name: str):
+    from qwenserve import LLM
+    from qwenserve.platforms.cpu import CpuPlatform
+
+    skinny = 0 if name == "fp32 oneDNN" else 4
+    int8_rows = (lambda self: 0) if name == "int8 oneDNN" else None
+    saved = CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows
+    CpuPlatform.skinny_gemm_max_rows = skinny
+    if int8_rows is not None:
+        CpuPlatform.int8_skinny_max_rows = int8_rows
+    try:
+        quant = {"quantization": "int8"} if name.startswith("int8") else {}
+        return LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, **quant)
+    finally:
+        CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows = saved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--int8-onednn", action="store_true", help="also time int8 via torch._int_mm")
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    path = random_model("bench-qwen25-05b", "qwen2", **QWEN25_05B)
+    names = ["fp32 native", "fp32 oneDNN", "int8 native"]
+    if args.int8_onednn:
+        names.append("int8 oneDNN")
+    engines = {name: build(path, name) for name in names}
+    prompt = list(range(100, 100 + args.prompt_len))
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    bandwidth: list[float] = []
+    for r in range(args.rounds):
+        bandwidth.append(read_bandwidth())
+        for name in (names if r % 2 == 0 else list(reversed(names))):
+            n = args.steps if "oneDNN" not in name or "fp32" in name else 2
+            steps[name] += decode_step_seconds(engines[name], prompt, n, f"{name}-{r}")
+    bw = statistics.median(bandwidth)
+    print(f"CPU: {cpu_model()}, {args.threads} threads, torch {torch.__version__}")
+    print(f"read bandwidth (torch.sum over 1 GiB, median of {args.rounds}): {bw / 1e9:.1f} GB/s "
+          f"(rounds: {', '.join(f'{b / 1e9:.1f}' for b in bandwidth)})")
+    print("| engine | weight MiB | decode ms/step (median) | tok/s | weight GB/s | % of read BW |\n"
+          "|---|---|---|---|---|---|")
+    base = None
+    for name in names:
+        nbytes = engines[name].llm_engine.executor.weight_bytes()
+        step = statistics.median(steps[name])
+        base = base or step
+        print(f"| {name} | {nbytes / 2**20:,.0f} | {step * 1e3:.1f} | {1 / step:.1f} | "
+              f"{nbytes / step / 1e9:.1f} | {100 * nbytes / step / bw:.0f}% |")
+    print("tok/s ratios vs fp32 native: " + ", ".join(
+        f"{name} {base / statistics.median(steps[name]):.2f}x" for name in names[1:]))
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                    "unknown CPU")
+
+
+if __name__ == "__main__":
+    main()

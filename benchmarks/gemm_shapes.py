@@ -1,0 +1,111 @@
+"""fp32 GEMM routes per model shape: which kernel computes ``x @ W.T`` fastest on this CPU.
+
+Shapes are the Qwen2.5-0.5B layers (qkv, o, gate_up, down, LM head) at M tokens. Each route
+runs the same GEMM; the figure is CPU time per call (``time.process_time``, all threads, with
+one torch thread, so other processes' load inflates it less than wall time), the minimum over
+``--repeats`` alternating rounds:
+
+    F.linear        torch's default (MKL sgemm on an [N, K] weight)
+    onednn          oneDNN inner product on the plain weight (qwenserve's float_linear until now)
+    mm_t            torch.mm on a weight transposed once to [K, N]
+    mkl_packed      MKL packed sgemm (cblas_sgemm_pack at load; what inductor's freezing uses)
+    onednn_packed   oneDNN with the weight reordered once to its blocked layout
+    native          qwenserve.native's skinny GEMM (csrc/gemv.cpp; M <= 8 only), if built
+
+    python benchmarks/gemm_shapes.py [--m 1,16,64,256,2048] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from qwenserve.native.kernels import gemv
+
+SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
+          "lm_head": (151936, 896)}  # name: (N out, K in)
+
+
+def routes(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    wt = w.t().contiguous()
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "F.linear": lambda x: F.linear(x, w),
+        "onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        "mm_t": lambda x: torch.mm(x, wt),
+    }
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
+    out["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, m)
+    blocked = torch.ops.mkldnn._reorder_linear_weight(w, m)
+    out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+        x, blocked, None, "none", [], "")
+    native = gemv()
+    if native is not None and m <= native.MAX_ROWS:
+        out["native"] = lambda x: native(x, w)
+    return out
+
+
+def cpu_time_per_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                      flops: float) -> float:
+    calls = max(2, min(200, int(2e9 / flops)))
+    fn(x)
+    t0 = time.process_time()
+    for _ in range(calls):
+        fn(x)
+    return (time.process_time() - t0) / calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", default="1,16,64,256,2048")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-gflop", type=float, default=40.0,
+                   help="skip (shape, M) pairs larger than this many GFLOP per call")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"CPU: {cpu_model()}, {args.threads} thread(s), torch {torch.__version__}; "
+          "CPU ms per call (min of rounds), speed-up vs onednn in brackets")
+    header = None
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        w = torch.randn(n, k) / k**0.5
+        for m in map(int, args.m.split(",")):
+            flops = 2.0 * m * n * k
+            if flops > args.max_gflop * 1e9:
+                continue
+            x = torch.randn(m, k)
+            fns = routes(w, m)
+            ref = F.linear(x.double(), w.double()).float()
+            for route, fn in fns.items():
+                err = (fn(x) - ref).abs().max().item()
+                assert err < 1e-3, f"{route} {name} M={m}: max error {err}"
+            best: dict[str, float] = {r: float("inf") for r in fns}
+            for rep in range(args.repeats):
+                order = list(fns) if rep % 2 == 0 else list(reversed(fns))
+                for route in order:
+                    best[route] = min(best[route], cpu_time_per_call(fns[route], x, flops))
+            if header is None:
+                header = ["shape", "M", *fns]
+                print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+            base = best["onednn"]
+            cells = [f"{best[r] * 1e3:.3f} ({base / best[r]:.2f}x)" if r in best else "-"
+                     for r in header[2:]]
+            gflops = flops / min(best.values()) / 1e9
+            print(f"| {name} | {m} | " + " | ".join(cells) + f" | best {gflops:.1f} GFLOP/s",
+                  flush=True)
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                    "unknown CPU")
+
+
+if __name__ == "__main__":
+    main()

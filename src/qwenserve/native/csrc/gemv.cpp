@@ -1,0 +1,126 @@
+// Skinny GEMMs against a row-major weight [N, K], as decode runs them:
+//
+//   y[m, n] = sum_k x[m, k] * w[n, k]          float32, or int8 x int8 -> exact int32
+//
+// At a few rows of x the product is bound by streaming W from memory; this loop reads W once, in
+// the [N, K] layout the model keeps (no repacked copy): threads split the output rows in blocks
+// of ROWS weight rows (independent loads overlap), and each block meets all M rows of x while it
+// sits in L1/L2. fp32 is used for 1-4 rows (oneDNN's blocked GEMM wins from 8); int8 for any M on
+// CPUs without VNNI, where oneDNN's int8 GEMM is 20x slower than fp32 (benchmarks.md, "GEMM
+// routes"). Plain C++ (AVX2 intrinsics for int8) built at first use; called through ctypes.
+#include <algorithm>
+#include <cstdint>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t ROWS = 4;  // weight rows per block
+
+// float32: ROWS weight rows x M input rows; accumulators are vectorised by the compiler.
+template <int M>
+inline void block_f32(float* y, const float* x, const float* w, int64_t n0, int64_t rows,
+                      int64_t N, int64_t K) {
+  float acc[M][ROWS] = {};
+  const float* wr[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) wr[r] = w + (n0 + std::min(r, rows - 1)) * K;
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = xm[k];
+      a0 += xv * wr[0][k];
+      a1 += xv * wr[1][k];
+      a2 += xv * wr[2][k];
+      a3 += xv * wr[3][k];
+    }
+    acc[m][0] = a0, acc[m][1] = a1, acc[m][2] = a2, acc[m][3] = a3;
+  }
+  for (int m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r) y[m * N + n0 + r] = acc[m][r];
+}
+
+// int8: products summed exactly in int32, as oneDNN's int8 GEMM: |sum| <= K * 128 * 128 fits
+// int32 for K < 131072. On AVX2, 16 values at a time are sign-extended to int16 and multiplied
+// pairwise into int32 (vpmaddwd); GCC does not find that for a plain loop (it widens to int32 and
+// multiplies with vpmulld, about 3x slower), hence the intrinsics; other machines run the loop.
+inline int32_t dot_s8_tail(const int8_t* x, const int8_t* w, int64_t k0, int64_t K) {
+  int32_t s = 0;
+  for (int64_t k = k0; k < K; ++k) s += static_cast<int32_t>(x[k]) * static_cast<int32_t>(w[k]);
+  return s;
+}
+
+template <int M>
+inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, int64_t rows,
+                     int64_t N, int64_t K) {
+  const int8_t* wr[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) wr[r] = w + (n0 + std::min(r, rows - 1)) * K;
+  for (int m = 0; m < M; ++m) {
+    const int8_t* xm = x + m * K;
+    int32_t acc[ROWS] = {};
+    int64_t k = 0;
+#if defined(__AVX2__)
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xm + k)));
+#define QS_ROW(a, r) \
+  a = _mm256_add_epi32(a, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16( \
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r] + k)))))
+      QS_ROW(a0, 0);
+      QS_ROW(a1, 1);
+      QS_ROW(a2, 2);
+      QS_ROW(a3, 3);
+#undef QS_ROW
+    }
+    const __m256i sums[ROWS] = {a0, a1, a2, a3};
+    for (int64_t r = 0; r < ROWS; ++r) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums[r]);
+      for (int j = 0; j < 8; ++j) acc[r] += lanes[j];
+    }
+#endif
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] += dot_s8_tail(xm, wr[r], k, K);
+    for (int64_t r = 0; r < rows; ++r) y[m * N + n0 + r] = acc[r];
+  }
+}
+
+using BlockF32 = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
+using BlockS8 = void (*)(int32_t*, const int8_t*, const int8_t*, int64_t, int64_t, int64_t,
+                         int64_t);
+
+constexpr int64_t MAX_M = 4;  // rows of x per block call
+
+// Threads split the weight into blocks of ROWS rows; each block meets every row of x, in groups
+// of up to MAX_M, while it is hot in L1/L2: the weight is read from memory once for any M.
+template <typename T, typename Acc, typename Block>
+int dispatch(Acc* y, const T* x, const T* w, int64_t M, int64_t N, int64_t K,
+             const Block (&blocks)[MAX_M]) {
+  if (N <= 0 || K <= 0 || M <= 0) return 1;
+  const int64_t nblocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n0 = b * ROWS, rows = std::min(ROWS, N - n0);
+    for (int64_t m = 0; m < M; m += MAX_M)
+      blocks[std::min(MAX_M, M - m) - 1](y + m * N, x + m * K, w, n0, rows, N, K);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [M, K], w [N, K], y [M, N]; all contiguous. Returns 0, or 1 for an empty shape.
+int gemv_f32(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K) {
+  static const BlockF32 blocks[MAX_M] = {block_f32<1>, block_f32<2>, block_f32<3>, block_f32<4>};
+  return dispatch<float, float>(y, x, w, M, N, K, blocks);
+}
+
+int gemv_s8s32(int32_t* y, const int8_t* x, const int8_t* w, int64_t M, int64_t N, int64_t K) {
+  static const BlockS8 blocks[MAX_M] = {block_s8<1>, block_s8<2>, block_s8<3>, block_s8<4>};
+  return dispatch<int8_t, int32_t>(y, x, w, M, N, K, blocks);
+}
+
+}  // extern "C"
