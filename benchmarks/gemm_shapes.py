@@ -12,7 +12,10 @@ one torch thread, so other processes' load inflates it less than wall time), the
     onednn_packed   oneDNN with the weight reordered once to its blocked layout
     native          qwenserve.native's skinny GEMM (csrc/gemv.cpp; M <= 8 only), if built
 
-    python benchmarks/gemm_shapes.py [--m 1,16,64,256,2048] [--threads 1]
+With ``--int8`` the routes are the W8A8 GEMM's (int8 x int8 -> int32, as ``Int8Matmul`` runs
+it): ``torch._int_mm`` (oneDNN) and the native kernel, against fp32 oneDNN on the same shape.
+
+    python benchmarks/gemm_shapes.py [--m 1,16,64,256,2048] [--threads 1] [--int8]
 """
 
 from __future__ import annotations
@@ -28,6 +31,21 @@ from qwenserve.native.kernels import gemv
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
           "lm_head": (151936, 896)}  # name: (N out, K in)
+
+
+def int8_routes(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """fp32 oneDNN on w, and the int8 GEMM of w's int8 copy (the input is quantized outside)."""
+    w_q = torch.randint(-127, 128, w.shape, dtype=torch.int8)
+    out = {"onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+           "int_mm (s8)": lambda x: torch._int_mm(_q(x), w_q.t())}
+    native = gemv()
+    if native is not None:
+        out["native (s8)"] = lambda x: native(_q(x), w_q)
+    return out
+
+
+def _q(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-1, 1).mul(127).to(torch.int8)
 
 
 def routes(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -64,6 +82,7 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--int8", action="store_true", help="the W8A8 routes instead of fp32's")
     p.add_argument("--max-gflop", type=float, default=40.0,
                    help="skip (shape, M) pairs larger than this many GFLOP per call")
     args = p.parse_args()
@@ -80,9 +99,12 @@ def main() -> None:
             if flops > args.max_gflop * 1e9:
                 continue
             x = torch.randn(m, k)
-            fns = routes(w, m)
+            fns = int8_routes(w) if args.int8 else routes(w, m)
             ref = F.linear(x.double(), w.double()).float()
             for route, fn in fns.items():
+                if "s8" in route:
+                    assert torch.equal(fn(x), fns["int_mm (s8)"](x)), f"{route} {name} M={m}"
+                    continue
                 err = (fn(x) - ref).abs().max().item()
                 assert err < 1e-3, f"{route} {name} M={m}: max error {err}"
             best: dict[str, float] = {r: float("inf") for r in fns}
