@@ -84,9 +84,9 @@ class Platform(ABC):
         return None
 
     def int8_skinny_max_rows(self) -> int:
-        """Up to how many rows an int8 GEMM goes to the native skinny GEMM instead of
-        ``int8_scaled_mm`` (0: never)."""
-        return self.skinny_gemm_max_rows
+        """Up to how many rows of x an int8 GEMM runs the native kernel
+        (native/csrc/gemv.cpp, CPU tensors) instead of ``int8_scaled_mm``; 0: never."""
+        return 0
 
 
 def int32_epilogue(acc: torch.Tensor, scale: torch.Tensor, token_scale: torch.Tensor | None,

@@ -109,12 +109,13 @@ class CpuPlatform(Platform):
         return _onednn_linear if _has_onednn_linear() else None
 
     def int8_skinny_max_rows(self) -> int:
-        # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 6.5 ms per row of x on a
-        # 9728 x 896 weight on the AVX2 EPYC, 20-25x fp32's time at any row count, while the
-        # native kernel's vpmaddwd loop runs 4 rows per pass over the weight faster than fp32:
-        # there it takes every int8 GEMM. With VNNI/AMX, oneDNN keeps all but decode rows.
+        # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 0.9 ms per row of x on the
+        # 1152 x 896 qkv weight on the AVX2 EPYC, 6-25x fp32's time at any row count, while the
+        # native kernel (AVX2 vpmaddwd, the weight read once for all rows) ran 1.0-6x faster than
+        # fp32: there it takes every int8 GEMM. With VNNI/AMX oneDNN keeps them all (it beat fp32
+        # 2.2-3.8x on AVX512-VNNI, docs/quantization.md; the native kernel is unmeasured there).
         if {"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags():
-            return self.skinny_gemm_max_rows
+            return 0
         return 1 << 62
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
