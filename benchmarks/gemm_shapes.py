@@ -114,13 +114,13 @@ def main() -> None:
                     best[route] = min(best[route], cpu_time_per_call(fns[route], x, flops))
             if header is None:
                 header = ["shape", "M", *fns]
-                print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+                print("| " + " | ".join(header) + " | best GFLOP/s |\n|"
+                      + "---|" * (len(header) + 1))
             base = best["onednn"]
             cells = [f"{best[r] * 1e3:.3f} ({base / best[r]:.2f}x)" if r in best else "-"
                      for r in header[2:]]
             gflops = flops / min(best.values()) / 1e9
-            print(f"| {name} | {m} | " + " | ".join(cells) + f" | best {gflops:.1f} GFLOP/s",
-                  flush=True)
+            print(f"| {name} | {m} | " + " | ".join(cells) + f" | {gflops:.1f} |", flush=True)
 
 
 def cpu_model() -> str:
