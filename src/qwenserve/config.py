@@ -106,6 +106,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 1
     model: str | None = None  # the drafter (draft_model) or head (eagle3): folder or hub id
     disable_by_batch_size: int | None = None
+    # vLLM's draft_tensor_parallel_size: None = the target's; 1 = a draft model on the driver
+    # rank only (checked against --tensor-parallel-size in spec_decode/support.py)
+    draft_tensor_parallel_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.models.base import CausalLM
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.spec_decode import state_rollback
+from qwenserve.spec_decode.lockstep import DRIVER_ONLY, SpecRanks, StepTokens
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
@@ -58,7 +59,7 @@ class ModelRunner:
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
                  pooler: PoolerConfig | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, spec_ranks: SpecRanks = DRIVER_ONLY) -> None:
         self.model = model
         self.caches = caches
         self.attn_backend = backends.attention
@@ -71,7 +72,9 @@ class ModelRunner:
         # Structured outputs and thinking budgets: the driver's matchers (None on other ranks).
         self.grammars = grammars
         self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
-        self.proposer = proposer  # speculative decoding (driver only)
+        # Speculative decoding: on the driver, or on every rank when its layers are sharded.
+        self.proposer = proposer
+        self.spec_ranks = spec_ranks
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # Requests with images, and the vision tower's outputs they hold (worker/mm_inputs.py)
@@ -132,14 +135,25 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
-        if not self.is_driver:
-            return ModelOutput()
         sampled_chunks = [c for c in chunks if c.sample]
-        output = ModelOutput(prompt_logprobs=scored)
-        emitted = self._sample(logits, sampled_chunks)
+        emitted = self._sample(logits, sampled_chunks) if self.is_driver else None
+        shared = None
+        if self.spec_ranks.must_share(saved is not None):
+            shared = self.spec_ranks.share(None if emitted is None else StepTokens(
+                [[t.token_id for t in tokens] for tokens in emitted],
+                self._draftable(sampled_chunks) if self.proposer is not None else []))
         if saved is not None:
+            counts = [len(t) - 1 for t in (emitted if emitted is not None else shared.emitted)]
             self._roll_back_states(verifying, saved, dict(zip(
-                [c.request_id for c in sampled_chunks], [len(t) - 1 for t in emitted])))
+                [c.request_id for c in sampled_chunks], counts)))
+        if not self.is_driver:
+            if self.proposer is not None:  # sharded: the same passes as the driver's
+                assert shared is not None
+                for chunk, token_ids in zip(sampled_chunks, shared.emitted, strict=True):
+                    self.requests[chunk.request_id].output_token_ids.extend(token_ids)
+                self.proposer.propose(shared.draftable, self.requests)
+            return ModelOutput()
+        output = ModelOutput(prompt_logprobs=scored)
         for chunk, tokens in zip(sampled_chunks, emitted):
             state = self.requests[chunk.request_id]
             for token in tokens:
@@ -150,8 +164,9 @@ class ModelRunner:
                 output.accepted[chunk.request_id] = tokens[:-1]
             output.sampled[chunk.request_id] = tokens[-1]
         if self.proposer is not None:
-            output.draft_token_ids = self.proposer.propose(self._draftable(sampled_chunks),
-                                                           self.requests)
+            output.draft_token_ids = self.proposer.propose(
+                shared.draftable if shared is not None else self._draftable(sampled_chunks),
+                self.requests)
         return output
 
     def _pooled(self, chunks: list[ScheduledChunk], last_hidden: torch.Tensor) -> ModelOutput:
