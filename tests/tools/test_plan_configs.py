@@ -318,3 +318,41 @@ def test_mtp_adds_its_kv_layer_and_head_weights(tmp_path, capsys):
     assert (m["weight_bytes_per_device"] - p["weight_bytes_per_device"]
             > 2 * c["hidden_size"] ** 2 * 2)
     assert "--speculative-config" in mtp["commands"]["qwenserve"]
+
+
+def test_eagle3_head_counted_per_rank(tmp_path, capsys):
+    """--speculative-config method eagle3: the head's weights (fc [H, 3H], a decoder layer whose
+    q/k/v read 2H, its draft-vocabulary LM head) and one more paged KV layer, sharded per rank
+    at TP=2 like the target's own layers (fc, norms and LM head replicated)."""
+    path = write_model(tmp_path, "Qwen3-8B")
+    c = text_config("Qwen3-8B")
+    h, layers, kv = c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"]
+    head = tmp_path / "head"  # the config is all the planner reads
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=h,
+        intermediate_size=c["intermediate_size"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=kv, head_dim=c.get("head_dim"), num_hidden_layers=1,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        vocab_size=c["vocab_size"], draft_vocab_size=32000, target_hidden_size=h,
+        tie_word_embeddings=False, torch_dtype="bfloat16")))
+    head = str(head)
+    spec = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    argv = ("--max-model-len", "32768", "--device", "h200")
+    plans = {}
+    for tp in (1, 2):
+        _, plain = plan(capsys, path, *argv, "--tp", str(tp))
+        _, eagle = plan(capsys, path, *argv, "--tp", str(tp), "--speculative-config", spec)
+        p, e = by_tp(plain)[tp], by_tp(eagle)[tp]
+        assert e["kv_bytes_per_token"] * layers == p["kv_bytes_per_token"] * (layers + 1)
+        assert e["weight_bytes_per_device"] - p["weight_bytes_per_device"] \
+            == e["speculative_head_weight_bytes"]
+        assert "--speculative-config" in eagle["commands"]["qwenserve"]
+        plans[tp] = e
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kvw, inter = c["num_attention_heads"] * head_dim, kv * head_dim, c["intermediate_size"]
+    sharded = 2 * h * (q + 2 * kvw) + q * h + 3 * h * inter  # bf16 bytes / 2 per element
+    replicated = 3 * h * h + 32000 * h + 4 * h  # fc, lm_head, norms (elements)
+    assert plans[1]["speculative_head_weight_bytes"] >= 2 * (sharded + replicated)
+    assert plans[1]["speculative_head_weight_bytes"] - plans[2]["speculative_head_weight_bytes"] \
+        == sharded  # half of the sharded layers' bf16 bytes
