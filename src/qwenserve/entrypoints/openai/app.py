@@ -21,6 +21,7 @@ from qwenserve.entrypoints.openai import (
     serving_completion,
     serving_models,
     serving_pooling,
+    serving_pooling_any,
 )
 from qwenserve.entrypoints.openai.errors import OpenAIError, error_body, internal_error
 from qwenserve.entrypoints.openai.middleware import (
@@ -264,6 +265,7 @@ def build_app(
     app.state.registry = registry
     app.include_router(router)
     app.include_router(serving_pooling.router)  # /v1/embeddings, /score, /rerank
+    app.include_router(serving_pooling_any.router)  # /pooling
     if dev_mode:
         app.include_router(dev_router)
     _install_error_handlers(app)
