@@ -89,9 +89,11 @@ async def version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+    from qwenserve.metrics.prometheus import exposition
+
+    return Response(exposition(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")
