@@ -44,7 +44,7 @@ _SEP = "|"
 
 @dataclass
 class Attach:
-    """An API process's first message: the hub answers with ``HubHello``."""
+    """An API process's first message, repeated until the hub's ``HubHello`` arrives."""
 
 
 @dataclass
@@ -88,6 +88,10 @@ class CoreHub:
         self._calls: dict[int, tuple[int, int]] = {}  # hub call id -> (API process, its id)
         self._call_ids = itertools.count()
         self._closing = False
+        # until an API process attaches, what is meant for it waits here (the engine's first
+        # statistics come while the API processes still start)
+        self._backlog: dict[int, list[bytes]] = {i: [] for i in range(num_clients)}
+        self._attached: set[int] = set()
         self._thread = threading.Thread(target=self._relay, name="qwenserve-hub", daemon=True)
 
     def start(self) -> None:
@@ -111,7 +115,14 @@ class CoreHub:
     def _command(self, client: int, message: object) -> None:
         if isinstance(message, Attach):
             hello = HubHello(self.core.ready, tuple(self.core.engine_indexes))
-            self._send(client, hello)
+            with self._out_lock:
+                # The push fails while the process's output connection is still being made:
+                # it asks again until an answer gets through.
+                if client in self._attached or not self._push(client, pickle.dumps(hello, 5)):
+                    return
+                self._attached.add(client)
+                for payload in self._backlog.pop(client, []):
+                    self._push(client, payload)
         elif isinstance(message, Detach):
             self.abort_client(client)
         elif isinstance(message, AddRequest):
@@ -185,10 +196,17 @@ class CoreHub:
         with self._out_lock:
             if self._closing:
                 return
-            try:
-                self._outputs[client].send(payload, zmq.NOBLOCK)
-            except zmq.Again:  # that API process is gone; the launcher reports it
-                pass
+            if client not in self._attached:
+                self._backlog.setdefault(client, []).append(payload)
+                return
+            self._push(client, payload)
+
+    def _push(self, client: int, payload: bytes) -> bool:
+        try:
+            self._outputs[client].send(payload, zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # not connected yet, or gone (the launcher reports that)
+            return False
 
     def shutdown(self) -> None:
         """Stop relaying and shut the engine(s) down (every API process has exited)."""

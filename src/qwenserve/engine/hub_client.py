@@ -37,7 +37,6 @@ class HubCoreClient:
         self._lock = threading.Lock()
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._send(Attach())
         hello = self._hello(timeout_s)
         self.ready: EngineReady = hello.ready
         self._engine_indexes = hello.engine_indexes
@@ -51,6 +50,7 @@ class HubCoreClient:
     def _hello(self, timeout_s: float) -> HubHello:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self._send(Attach())  # again: the first answer may precede our connection
             if self._outputs.poll(200):
                 message = pickle.loads(self._outputs.recv())
                 if isinstance(message, HubHello):
