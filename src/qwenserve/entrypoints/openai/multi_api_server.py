@@ -60,10 +60,14 @@ def run_multi_api_server(args: argparse.Namespace, sock: socket.socket) -> int:
 
     count = args.api_server_count
     try:
+        from qwenserve.entrypoints.chat_utils import load_chat_template
+
+        load_chat_template(args.chat_template)  # a missing file fails before the model loads
         core = start_core_client(build_engine_args(args), data_parallel=data_parallel_config(args))
     except Exception as e:  # noqa: BLE001 - one clean line instead of a traceback
         logger.debug("Start-up failed", exc_info=True)
         logger.error("Cannot start the server: %s", e)
+        sock.close()
         return 1
     hub = CoreHub(core, count)
     hub.start()
