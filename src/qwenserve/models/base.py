@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -82,6 +82,17 @@ class CausalLM(Protocol):
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
     def eval(self) -> nn.Module: ...
+
+
+@runtime_checkable
+class TokenScorer(Protocol):
+    """A model with a score head over every token (reward models, ``Qwen2ForRewardModel``)."""
+
+    num_labels: int
+
+    def score_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, num_labels] raw scores."""
+        ...
 
 
 class ModelClass(Protocol):
