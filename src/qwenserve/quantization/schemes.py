@@ -31,9 +31,10 @@ MERGED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                  "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}  # Qwen3.5
 _DESCRIBED = {"compressed-tensors": "a compressed-tensors checkpoint (quantization_config)",
               "ascend": f"an Ascend ModelSlim checkpoint ({MODELSLIM_DESCRIPTION})"}
-_QUANTIZED_EXPERTS = ("this checkpoint quantizes MoE experts, which qwenserve runs in float "
-                      "only; use the float model (--quantization int8 quantizes its attention and "
-                      "dense layers)")
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# MoE gates: the router (``mlp.gate``, [E, H]) and Qwen3.5's ``shared_expert_gate`` ([1, H]) are
+# Linear layers in HF that both exporters leave float (llm-compressor's MoE recipes ignore them).
+_MOE_GATES = re.compile(r"\.mlp\.(gate|shared_expert_gate)$")
 _MODELSLIM_UNSUPPORTED_KEYS = ("fa_quant_type", "kv_cache_type", "kv_quant_type",
                                "indexer_quant_type")
 
@@ -65,8 +66,10 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
     moe = bool(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0))
     if quant_method == "compressed-tensors":
         validate_compressed_tensors(ckpt)
-        if moe and ct_scheme_for("model.layers.0.mlp.experts.0.gate_proj", ckpt) is not None:
-            raise ValueError(_QUANTIZED_EXPERTS)
+        for gate in ("model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"):
+            if moe and ct_scheme_for(gate, ckpt) is not None:
+                raise ValueError(_quantized_gate(gate, "add 're:.*mlp.gate$' and "
+                                                 "'re:.*shared_expert_gate$' to its ignore list"))
         return "compressed-tensors", ckpt
     if desc_path and os.path.isfile(desc_path):
         if quant_method not in (None, "ascend"):
@@ -75,8 +78,6 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
                              "describe the weights")
         with open(desc_path) as f:
             description = validate_modelslim(json.load(f), desc_path)
-        if any(".experts." in k and v != "FLOAT" for k, v in description.items()):
-            raise ValueError(_QUANTIZED_EXPERTS)
         return "ascend", {"quant_method": "ascend", "description": description}
     if quant_method == "ascend":
         raise ValueError(f"config.json says quant_method 'ascend' but {folder or 'the model'} "
@@ -211,7 +212,43 @@ def validate_modelslim(desc: dict, path: str) -> dict:
         if desc.get(name, "FLOAT") != "FLOAT":
             raise ValueError(f"{path}: {name} is quantized ({desc[name]}); qwenserve keeps the "
                              "embeddings and lm_head in float")
+    for name, quant_type in desc.items():
+        if not name.endswith(".weight") or quant_type == "FLOAT":
+            continue
+        if _MOE_GATES.search(name.removesuffix(".weight")):
+            raise ValueError(f"{path}: " + _quantized_gate(name, "export with it FLOAT"))
+        if quant_type == "W8A8" and (".experts." in name or ".shared_expert." in name):
+            raise ValueError(f"{path}: {name} is a MoE expert with static W8A8 activations; "
+                             "qwenserve runs MoE experts as W8A8_DYNAMIC (per-token activations, "
+                             "what ModelSlim's MoE recipes write): export the experts with it")
     return desc
+
+
+def _quantized_gate(name: str, fix: str) -> str:
+    return (f"{name} (a MoE router or shared-expert gate) is quantized; qwenserve keeps these "
+            f"gates in float, as vLLM does: {fix}")
+
+
+def expert_weight_names(prefix: str, num_experts: int) -> list[str]:
+    """Checkpoint weight names of the experts at ``prefix``: ``...mlp.experts`` ->
+    ``...experts.{e}.{gate,up,down}_proj.weight`` for every expert; a shared expert (any other
+    prefix) -> ``...shared_expert.{gate,up,down}_proj.weight``."""
+    if prefix.endswith(".experts"):
+        return [f"{prefix}.{e}.{p}.weight" for e in range(num_experts)
+                for p in _EXPERT_PROJECTIONS]
+    return [f"{prefix}.{p}.weight" for p in _EXPERT_PROJECTIONS]
+
+
+def modelslim_expert_type(prefix: str, num_experts: int, desc: dict) -> str | None:
+    """"W8A8_DYNAMIC" for INT8 experts, None for float ones (or ones not listed). A layer's
+    experts run as one stack, so all their projections must share one type."""
+    types = {desc.get(name) or "FLOAT" for name in expert_weight_names(prefix, num_experts)}
+    if len(types) > 1:
+        raise ValueError(f"the experts of {prefix} are quantized differently "
+                         f"({sorted(types)}); qwenserve runs a layer's experts as one stack, so "
+                         "their gate/up/down projections must share one type")
+    quant_type = types.pop()
+    return None if quant_type == "FLOAT" else quant_type
 
 
 def modelslim_type_for(prefix: str, desc: dict) -> str | None:
