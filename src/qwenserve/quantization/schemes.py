@@ -66,8 +66,10 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
     moe = bool(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0))
     if quant_method == "compressed-tensors":
         validate_compressed_tensors(ckpt)
-        for gate in ("model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"):
-            if moe and ct_scheme_for(gate, ckpt) is not None:
+        shared = bool(getattr(hf_config, "shared_expert_intermediate_size", 0))
+        gates = ["model.layers.0.mlp.gate"] if moe else []
+        for gate in gates + (["model.layers.0.mlp.shared_expert_gate"] if shared else []):
+            if ct_scheme_for(gate, ckpt) is not None:
                 raise ValueError(_quantized_gate(gate, "add 're:.*mlp.gate$' and "
                                                  "'re:.*shared_expert_gate$' to its ignore list"))
         return "compressed-tensors", ckpt
@@ -227,6 +229,15 @@ def validate_modelslim(desc: dict, path: str) -> dict:
 def _quantized_gate(name: str, fix: str) -> str:
     return (f"{name} (a MoE router or shared-expert gate) is quantized; qwenserve keeps these "
             f"gates in float, as vLLM does: {fix}")
+
+
+def experts_quantized(method: str | None, config: dict | None) -> bool:
+    """Whether a detected checkpoint stores INT8 MoE experts (for reports such as doctor's)."""
+    if method == "compressed-tensors" and config is not None:
+        return ct_scheme_for("model.layers.0.mlp.experts.0.gate_proj", config) is not None
+    if method == "ascend" and config is not None:
+        return any(".experts." in k and v != "FLOAT" for k, v in config["description"].items())
+    return False
 
 
 def expert_weight_names(prefix: str, num_experts: int) -> list[str]:
