@@ -163,21 +163,21 @@ def test_int8_expert_loading_refuses_what_does_not_fit():
 # ---- whole models ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def moe_models(tiny_model, tmp_path_factory):
-    """(float path, compressed-tensors path, ModelSlim mixed path) per architecture."""
-    cache = {}
+    """``get(arch, fmt)``: (float path, the INT8 checkpoint's path), ``fmt`` "ct"
+    (compressed-tensors) or "modelslim" (the mixed description), each written once."""
+    root = tmp_path_factory.getbasetemp() / "moe_int8"
 
-    def get(arch):
-        if arch not in cache:
-            src = tiny_model(arch)
-            root = tmp_path_factory.getbasetemp() / "moe_int8"
-            ct = write_compressed_tensors(
-                src, str(root / f"ct-{arch}"), linear=MOE_LINEAR,
-                quantization_config={**ct_quantization_config(), "ignore": CT_MOE_IGNORE})
-            ranges = calibrate(src, prompts(11, n=16))  # attention: static, calibrated
-            ms = write_modelslim(src, str(root / f"modelslim-{arch}"), ranges,
-                                 type_of=moe_mixed_type, linear=MOE_LINEAR)
-            cache[arch] = (src, ct, ms)
-        return cache[arch]
+    def get(arch: str, fmt: str) -> tuple[str, str]:
+        src, path = tiny_model(arch), str(root / f"{fmt}-{arch}")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            if fmt == "ct":
+                write_compressed_tensors(
+                    src, path, linear=MOE_LINEAR,
+                    quantization_config={**ct_quantization_config(), "ignore": CT_MOE_IGNORE})
+            else:
+                ranges = calibrate(src, prompts(11, n=16))  # attention: static, calibrated
+                write_modelslim(src, path, ranges, type_of=moe_mixed_type, linear=MOE_LINEAR)
+        return src, path
 
     return get
 
@@ -259,7 +259,7 @@ def check(case: str, got: Agreement) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
 def test_compressed_tensors_moe(moe_models, arch):
-    src, ct, _ = moe_models(arch)
+    src, ct = moe_models(arch, "ct")
     llm = LLM(ct, dtype="float32", max_model_len=128)  # detected from config.json
     assert llm.llm_engine.config.model.quantization == "compressed-tensors"
     assert expert_dtypes(llm) == {torch.int8}
@@ -276,7 +276,7 @@ def test_compressed_tensors_moe(moe_models, arch):
 def test_modelslim_mixed_moe(moe_models, arch):
     """Attention W8A8 (static), experts and shared expert W8A8_DYNAMIC, dense MLP layers,
     routers and DeltaNet FLOAT, as one description."""
-    src, _, ms = moe_models(arch)
+    src, ms = moe_models(arch, "modelslim")
     llm = LLM(ms, dtype="float32", max_model_len=128, quantization="ascend")
     model = llm.llm_engine.executor.worker.model
     assert expert_dtypes(llm) == {torch.int8}
@@ -293,7 +293,7 @@ def test_modelslim_mixed_moe(moe_models, arch):
 def test_modelslim_dynamic_moe_equals_compressed_tensors(moe_models, tmp_path):
     """The same INT8 tensors in ModelSlim's layout (W8A8_DYNAMIC everywhere, ``weight_offset``)
     and compressed-tensors' compute the same logprobs: the two loaders agree, exactly."""
-    src, ct, _ = moe_models("qwen3_5_moe")
+    src, ct = moe_models("qwen3_5_moe", "ct")
     ms = write_modelslim(src, str(tmp_path / "ms-dynamic"), dynamic=True, linear=MOE_LINEAR)
     ps = prompts(7, n=4)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -316,7 +316,7 @@ def test_modelslim_moe_tensor_and_expert_parallel(moe_models, monkeypatch):
     logprob difference 0.056 on the common prefix (19/32 tokens before a near-tie flips). The
     shared expert's slicing is checked at the layer (test_int8_experts_tensor_parallel)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the second rank: one thread, as this one
-    _, _, ms = moe_models("qwen3_moe")
+    _, ms = moe_models("qwen3_moe", "modelslim")
     ps = prompts(7, n=4)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     runs = {}
@@ -347,26 +347,37 @@ def test_modelslim_moe_tensor_and_expert_parallel(moe_models, monkeypatch):
 
 
 def test_server_starts_with_the_tutorial_flags(moe_models, tmp_path):
-    """vLLM Ascend's Qwen3-30B-A3B.md W8A8 command (line 236), shrunk as the tiny model needs:
-    TP 4 -> 2, max-model-len 40960 -> 1024; --quantization ascend and
-    --enable-expert-parallel kept."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
+    """vLLM Ascend's Qwen3-30B-A3B.md single-card W8A8 command (line 564, from the corpus of
+    tests/entrypoints/openai/data) on the mixed ModelSlim checkpoint: every flag as written but
+    the model path, --port, --max-model-len 37364 -> 1024 (the tiny model's positions) and its
+    --speculative-config (an EAGLE-3 head this test does not have); float32 and a KV budget
+    added. Expert parallelism with INT8 experts at 2 ranks is
+    test_modelslim_moe_tensor_and_expert_parallel."""
+    import json
+    import shlex
+
+    openai_tests = Path(__file__).parents[1] / "entrypoints" / "openai"
+    sys.path.insert(0, str(openai_tests))
     from oai_server import RemoteServer
 
-    _, _, ms = moe_models("qwen3_moe")
-    args = [ms, "--served-model-name", "qwen3", "--trust-remote-code", "--max-num-seqs", "100",
-            "--max-model-len", "1024", "--max-num-batched-tokens", "16384",
-            "--tensor-parallel-size", "2", "--enable-expert-parallel", "--quantization", "ascend",
-            "--distributed_executor_backend", "mp", "--no-enable-prefix-caching",
-            "--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}',
-            "--additional-config", '{"weight_nz_mode": 2}', "--dtype", "float32",
-            "--kv-cache-memory-bytes", str(64 << 20)]
-    server = RemoteServer(args, tmp_path / "server.log", env={"OMP_NUM_THREADS": "1"})
+    corpus = json.loads((openai_tests / "data" / "vllm_ascend_qwen_serve_commands.json")
+                        .read_text())
+    command = next(c["command"] for c in corpus["commands"]
+                   if c["file"].endswith("/Qwen3-30B-A3B.md") and c["line"] == 564)
+    argv, it = [], iter(shlex.split(command)[3:])  # after "vllm serve MODEL"
+    for arg in it:
+        if arg in ("--port", "--speculative-config"):
+            next(it)
+        else:
+            argv.append("1024" if argv[-1:] == ["--max-model-len"] else arg)
+    assert argv[argv.index("--quantization") + 1] == "ascend"
+    _, ms = moe_models("qwen3_moe", "modelslim")
+    server = RemoteServer([ms, *argv, "--dtype", "float32", "--kv-cache-memory-bytes",
+                           str(64 << 20)], tmp_path / "server.log", env={"OMP_NUM_THREADS": "1"})
     try:
         out = server.client().completions.create(model="qwen3", prompt=[5, 17, 99, 3],
                                                  max_tokens=4, temperature=0)
         assert out.usage.completion_tokens == 4
-        assert "ascend" in server.log()
+        assert "Quantization ascend" in server.log()
     finally:
         server.stop()
-    assert os.path.exists(ms)
