@@ -164,3 +164,18 @@ def test_modelslim_layer_types(tmp_path):
     desc["model.layers.0.self_attn.k_proj.weight"] = "FLOAT"
     with pytest.raises(ValueError, match="quantized differently"):
         modelslim_type_for("model.layers.0.self_attn.qkv_proj", desc)
+
+
+def test_vision_language_names_are_read_as_the_text_model(tmp_path):
+    """Qwen3.5(-MoE) checkpoints nest the text model under model.language_model.: their
+    descriptions and ignore lists are read by the text model's names, as the weights load."""
+    vlm = "model.language_model.layers.0.mlp."
+    entries = {f"{vlm}experts.{e}.{p}_proj.weight": "W8A8_DYNAMIC"
+               for e in range(2) for p in ("gate", "up", "down")}
+    folder = modelslim_folder(tmp_path, **entries, **{f"{vlm}gate.weight": "FLOAT"})
+    _, config = resolve_quantization(hf_config(folder=folder), "ascend")
+    desc = config["description"]
+    assert schemes.modelslim_expert_type("model.layers.0.mlp.experts", 2, desc) == "W8A8_DYNAMIC"
+    ct = {**ct_quantization_config(), "ignore": ["lm_head", "model.language_model.layers.0.mlp.gate"]}
+    assert ct_scheme_for("model.layers.0.mlp.gate", ct) is None
+    assert ct_scheme_for("model.layers.1.mlp.gate", ct) is not None

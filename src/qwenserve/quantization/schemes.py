@@ -35,6 +35,10 @@ _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # MoE gates: the router (``mlp.gate``, [E, H]) and Qwen3.5's ``shared_expert_gate`` ([1, H]) are
 # Linear layers in HF that both exporters leave float (llm-compressor's MoE recipes ignore them).
 _MOE_GATES = re.compile(r"\.mlp\.(gate|shared_expert_gate)$")
+# Vision-language checkpoints (Qwen3.5, Qwen3.5-MoE, Qwen3-VL) nest the text model under
+# ``model.language_model.``; the models load it as ``model.`` (as vLLM's weights mapper does), so
+# quantization configs written with either name are read by the text model's names.
+_VLM_TEXT, _TEXT = "model.language_model.", "model."
 _MODELSLIM_UNSUPPORTED_KEYS = ("fa_quant_type", "kv_cache_type", "kv_quant_type",
                                "indexer_quant_type")
 
@@ -79,7 +83,7 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
                              f"quant_method {quant_method!r}; remove the one that does not "
                              "describe the weights")
         with open(desc_path) as f:
-            description = validate_modelslim(json.load(f), desc_path)
+            description = validate_modelslim(_text_names(json.load(f)), desc_path)
         return "ascend", {"quant_method": "ascend", "description": description}
     if quant_method == "ascend":
         raise ValueError(f"config.json says quant_method 'ascend' but {folder or 'the model'} "
@@ -90,6 +94,12 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
                          "(compressed-tensors, Ascend ModelSlim), or quantizes a float checkpoint "
                          "while loading with --quantization int8")
     return None, None
+
+
+def _text_names(desc: dict) -> dict:
+    """A ModelSlim description keyed by the text model's names (``model.layers...``)."""
+    return {_TEXT + k[len(_VLM_TEXT):] if k.startswith(_VLM_TEXT) else k: v
+            for k, v in desc.items()}
 
 
 def _reconcile(detected: str | None, requested: str | None) -> str | None:
@@ -174,12 +184,17 @@ def _arg_problems(what: str, args: dict, strategy: str, dynamic: bool) -> list[s
 
 def ct_scheme_for(module: str, cfg: dict) -> dict | None:
     """The config group whose targets match ``module`` (a checkpoint module name), or None when it
-    is ignored or untargeted. An exact name beats a ``re:`` pattern beats the class ``Linear``."""
-    if any(_ct_rank(pattern, module) for pattern in cfg.get("ignore") or []):
+    is ignored or untargeted. An exact name beats a ``re:`` pattern beats the class ``Linear``.
+    Names are matched as the text model's and as a vision-language checkpoint's."""
+    names = [module]
+    if module.startswith(_TEXT):
+        names.append(_VLM_TEXT + module[len(_TEXT):])
+    if any(_ct_rank(pattern, name) for pattern in cfg.get("ignore") or [] for name in names):
         return None
     best, best_rank = None, 0
     for group in (cfg.get("config_groups") or {}).values():
-        rank = max((_ct_rank(t, module) for t in group.get("targets") or []), default=0)
+        rank = max((_ct_rank(t, name) for t in group.get("targets") or [] for name in names),
+                   default=0)
         if rank > best_rank:
             best, best_rank = group, rank
     return best
