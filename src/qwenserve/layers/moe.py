@@ -169,6 +169,11 @@ class FusedMoE(nn.Module):
     parallelism, down's (one per hidden row) are whole on every rank.
     """
 
+    # registered by the ExpertMethod: [E_local, 2I, H] and [E_local, H, I] (int8 when quantized,
+    # with float32 ``w13_scale`` [E_local, 2I, 1] and ``w2_scale`` [E_local, H, 1])
+    w13: nn.Parameter
+    w2: nn.Parameter
+
     def __init__(
         self,
         num_experts: int,
