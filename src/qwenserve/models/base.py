@@ -20,6 +20,7 @@ from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches, RecurrentState
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import LinearMethod, UnquantizedLinearMethod
+from qwenserve.layers.moe import ExpertMethod
 from qwenserve.logger import init_logger
 
 if TYPE_CHECKING:
@@ -50,6 +51,11 @@ class ModelContext:
         the platform's float GEMM."""
         method = self.quant.linear_method(prefix) if self.quant is not None else None
         return method or UnquantizedLinearMethod(self.backends.float_linear)
+
+    def expert_method(self, prefix: str, num_experts: int = 1) -> ExpertMethod | None:
+        """How the MoE experts at ``prefix`` (``model.layers.3.mlp.experts``, or a one-expert
+        ``...mlp.shared_expert``) compute: the quantization's method, or None (float)."""
+        return self.quant.expert_method(prefix, num_experts) if self.quant is not None else None
 
 
 class CausalLM(Protocol):
