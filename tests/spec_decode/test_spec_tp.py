@@ -54,8 +54,11 @@ def run_tp2(path: str, spec: dict) -> tuple[int, int, int]:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe",
+                                  pytest.param("qwen3_next", marks=pytest.mark.benchmark)])
 def test_mtp(tiny_model, arch):
+    """(Qwen3-Next's head is Qwen3.5-MoE's class: under QWENSERVE_RUN_BENCHMARKS=1, for CI
+    time, as in test_mtp.py.)"""
     path = add_mtp_head(tiny_model(arch, mtp_num_hidden_layers=1))
     run_tp2(path, {"method": f"{'qwen3_next' if arch == 'qwen3_next' else 'qwen3_5'}_mtp",
                    "num_speculative_tokens": K})
