@@ -136,9 +136,16 @@ class PoolerConfig:
     """What a pooling model returns for a prompt (``--runner pooling``; rules in
     ``qwenserve/pooling.py``)."""
 
-    kind: str  # "embed" | "classify"
+    kind: str  # "embed" | "classify" | "reward" (every token's output)
     # classify: the LM-head rows whose logits make the score: (negative, positive)
     token_ids: tuple[int, ...] = ()
+    # reward: the model's score-head width (0: no head, each token's final hidden state)
+    num_labels: int = 0
+
+    @property
+    def hidden_states_only(self) -> bool:
+        """Whether the output is made of final hidden states (no LM or score head is used)."""
+        return self.kind == "embed" or (self.kind == "reward" and not self.num_labels)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
-from qwenserve.worker.pooler import pool
+from qwenserve.worker.pooler import TokenOutputs, pool, score_tokens
 from qwenserve.worker.sampler import SampledToken, SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
@@ -72,6 +72,7 @@ class ModelRunner:
         # Structured outputs and thinking budgets: the driver's matchers (None on other ranks).
         self.grammars = grammars
         self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
+        self.token_outputs = TokenOutputs()  # reward pooling: outputs of prompts in progress
         # Speculative decoding: on the driver, or on every rank when its layers are sharded.
         self.proposer = proposer
         self.spec_ranks = spec_ranks
@@ -88,6 +89,7 @@ class ModelRunner:
                 self.encoder_cache.release_all(request_id, self.images[request_id])
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.token_outputs.drop(request_id)
             self.images.pop(request_id, None)
             if self.grammars is not None:
                 self.grammars.remove(request_id)
@@ -128,6 +130,8 @@ class ModelRunner:
             self.caches, [self.requests[c.request_id].state_slot for c in verifying],
             self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
+        if self.pooler is not None and self.pooler.kind == "reward":
+            return self._pooled_tokens(chunks, hidden)
         if self.pooler is not None:
             return self._pooled(chunks, hidden[batch.logits_indices])
         if self.proposer is not None:
@@ -177,6 +181,23 @@ class ModelRunner:
             return ModelOutput()
         finished = [c.request_id for c in chunks if c.sample]
         return ModelOutput(pooled=dict(zip(finished, pooled.cpu().tolist(), strict=True)))
+
+    def _pooled_tokens(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> ModelOutput:
+        """Reward pooling (vLLM's "ALL"): every token's output, gathered over a prompt's chunks
+        and sent when its last chunk ran. The score head is whole on each rank: only the
+        driver computes it."""
+        if not self.is_driver:
+            return ModelOutput()
+        out = ModelOutput()
+        row = 0
+        for c in chunks:  # rows in the batch order of _prepare
+            n = len(c.token_ids)
+            rows = score_tokens(self.model, self.pooler, hidden[row : row + n])  # [n, D]
+            self.token_outputs.add(c.request_id, c.start_pos, rows)
+            if c.sample:
+                out.pooled[c.request_id] = self.token_outputs.finish(c.request_id).cpu().tolist()
+            row += n
+        return out
 
     def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
                           num_accepted: dict[str, int]) -> None:

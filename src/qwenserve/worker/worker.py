@@ -152,7 +152,7 @@ class Worker:
                 model = model_cls(ctx)
             weights = iter_weights(mc.source, mc.hf_config)
             if not is_draft and self.config.pooler is not None \
-                    and self.config.pooler.kind == "embed":
+                    and self.config.pooler.hidden_states_only:
                 model.lm_head = None  # an embedding model has no use (and often no weights)
                 weights = embedding_checkpoint_names(weights)
             if self.config.load_format == "dummy":
