@@ -50,7 +50,7 @@ class SpecRanks:
     every_rank: bool = False
 
     def must_share(self, verifying_hybrid: bool) -> bool:
-        """Whether this step broadcasts ``StepTokens``; every rank answers the same (the
+        """Whether this step sends ``StepTokens`` (``share``); every rank answers the same (the
         inputs are the scheduler's output and the configuration)."""
         return self.tp.world_size > 1 and (self.every_rank or verifying_hybrid)
 
