@@ -47,14 +47,17 @@ def read_bandwidth(cpu: bool, gib: float = 1.0, repeats: int = 5) -> float:
     return big.numel() * 4 / best
 
 
-def decode_steps(llm, prompt: list[int], steps: int, request_id: str, cpu: bool) -> list[float]:
-    """Seconds of each batch-1 decode step of one request (its prefill step not counted)."""
+def decode_steps(llm, prompt: list[int], steps: int, request_id: str, cpu: bool,
+                 batch: int = 1) -> list[float]:
+    """Seconds of each decode step of ``batch`` requests (their prefill steps not counted)."""
     from qwenserve import SamplingParams
 
     engine = llm.llm_engine
-    engine.add_request(request_id, prompt,
-                       SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
-    engine.step()  # prefill + first token
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{request_id}-{i}", [t + i for t in prompt], params)
+    for _ in range(-(-batch * len(prompt) // 2048)):  # prefill steps (default token budget)
+        engine.step()
     times = []
     while engine.has_unfinished_requests():
         start = clock(cpu)
@@ -87,6 +90,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--int8-onednn", action="store_true", help="also time int8 via torch._int_mm")
+    p.add_argument("--batch", type=int, default=1,
+                   help="concurrent requests per step (the bandwidth %% is for batch 1)")
     p.add_argument("--cpu-time", action="store_true",
                    help="process CPU time instead of wall time (use with --threads 1 on a busy host)")
     args = p.parse_args()
@@ -105,10 +110,11 @@ def main() -> None:
         bandwidth.append(read_bandwidth(args.cpu_time))
         for name in (names if r % 2 == 0 else list(reversed(names))):
             n = args.steps if "oneDNN" not in name or "fp32" in name else 2
-            steps[name] += decode_steps(engines[name], prompt, n, f"{name}-{r}", args.cpu_time)
+            steps[name] += decode_steps(engines[name], prompt, n, f"{name}-{r}", args.cpu_time,
+                                        args.batch)
     bw = statistics.median(bandwidth)
     print(f"CPU: {cpu_model()}, {args.threads} threads, torch {torch.__version__}; "
-          f"{'process CPU' if args.cpu_time else 'wall'} time")
+          f"{'process CPU' if args.cpu_time else 'wall'} time; batch {args.batch}")
     print(f"read bandwidth (torch.sum over 1 GiB, median of {args.rounds}): {bw / 1e9:.1f} GB/s "
           f"(rounds: {', '.join(f'{b / 1e9:.1f}' for b in bandwidth)})")
     print("| engine | weight MiB | decode ms/step (median) | tok/s | weight GB/s | % of read BW |\n"
@@ -118,7 +124,7 @@ def main() -> None:
         nbytes = engines[name].llm_engine.executor.weight_bytes()
         step = statistics.median(steps[name])
         base = base or step
-        print(f"| {name} | {nbytes / 2**20:,.0f} | {step * 1e3:.1f} | {1 / step:.1f} | "
+        print(f"| {name} | {nbytes / 2**20:,.0f} | {step * 1e3:.1f} | {args.batch / step:.1f} | "
               f"{nbytes / step / 1e9:.1f} | {100 * nbytes / step / bw:.0f}% |")
     print("tok/s ratios vs fp32 native: " + ", ".join(
         f"{name} {base / statistics.median(steps[name]):.2f}x" for name in names[1:]))
