@@ -51,6 +51,9 @@ class MtpProposer:
         self.max_model_len = max_model_len  # the rotary table's length
         self.disable_by_batch_size = disable_by_batch_size
         self._step: tuple[list[ScheduledChunk], torch.Tensor] | None = None
+        # Head forwards the last ``propose`` ran (at most num_tokens): DP x EP pads the rest
+        # with zero-token passes (``worker/dp_passes.py``).
+        self.head_passes = 0
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None,
                 chunks: Sequence[ScheduledChunk] = ()) -> None:
@@ -60,6 +63,7 @@ class MtpProposer:
 
     def propose(self, request_ids: list[str], requests: Mapping[str, RequestTokens]
                 ) -> dict[str, list[int]]:
+        self.head_passes = 0
         if self._step is None:
             return {}
         chunks, hidden = self._step
@@ -85,8 +89,8 @@ class MtpProposer:
                 batch = self._batch([(requests[rid].block_ids, p, 1)
                                      for rid, p in zip(active, positions)],
                                     [drafts[rid][-1] for rid in active], positions)
-                rows = self.head(batch.input_ids, batch.positions,
-                                 torch.stack([out[rid] for rid in active]), batch, self.caches)
+                rows = self._head(batch.input_ids, batch.positions,
+                                  torch.stack([out[rid] for rid in active]), batch)
                 out = dict(zip(active, rows))
             rows = torch.stack([out[rid] for rid in active])
             for rid, token in zip(active, self.choose(active, rows, step, requests)):
@@ -129,9 +133,13 @@ class MtpProposer:
         batch = self._batch([(state.block_ids, start, kept)
                              for _, state, start, kept, _ in entries], tokens, positions)
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        out = self.head(batch.input_ids, batch.positions, hidden.index_select(0, index), batch,
-                        self.caches)
+        out = self._head(batch.input_ids, batch.positions, hidden.index_select(0, index), batch)
         return {rid: out[i] for rid, i in ends.items()}
+
+    def _head(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+              batch: ForwardBatch) -> torch.Tensor:
+        self.head_passes += 1
+        return self.head(input_ids, positions, hidden, batch, self.caches)
 
     def _batch(self, layouts: list[tuple[list[int], int, int]], tokens: list[int],
                positions: list[int]) -> ForwardBatch:

@@ -24,6 +24,7 @@ from qwenserve.spec_decode import state_rollback
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
+from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
 from qwenserve.worker.pooler import pool
 from qwenserve.worker.sampler import SampledToken, SamplingRow, prompt_logprobs, sample
@@ -58,7 +59,8 @@ class ModelRunner:
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
                  pooler: PoolerConfig | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None,
+                 lockstep: LockstepPasses | None = None) -> None:
         self.model = model
         self.caches = caches
         self.attn_backend = backends.attention
@@ -72,6 +74,8 @@ class ModelRunner:
         self.grammars = grammars
         self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
         self.proposer = proposer  # speculative decoding (driver only)
+        # DP x EP: the MoE passes every replica runs each step, padded where this one has less
+        self.lockstep = lockstep
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # Requests with images, and the vision tower's outputs they hold (worker/mm_inputs.py)
@@ -113,6 +117,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self._update_states(sched)
         if sched.is_empty:
+            if self.lockstep is not None:  # the other replicas may step: meet their passes
+                self.lockstep.idle_step()
             return ModelOutput()
         # Single-token chunks (decodes) first: the attention backend batches them together.
         chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
@@ -137,7 +143,7 @@ class ModelRunner:
         sampled_chunks = [c for c in chunks if c.sample]
         output = ModelOutput(prompt_logprobs=scored)
         emitted = self._sample(logits, sampled_chunks)
-        if saved is not None:
+        if saved is not None or self.lockstep is not None:
             self._roll_back_states(verifying, saved, dict(zip(
                 [c.request_id for c in sampled_chunks], [len(t) - 1 for t in emitted])))
         for chunk, tokens in zip(sampled_chunks, emitted):
@@ -152,6 +158,8 @@ class ModelRunner:
         if self.proposer is not None:
             output.draft_token_ids = self.proposer.propose(self._draftable(sampled_chunks),
                                                            self.requests)
+            if self.lockstep is not None:
+                self.lockstep.pad_head()
         return output
 
     def _pooled(self, chunks: list[ScheduledChunk], last_hidden: torch.Tensor) -> ModelOutput:
@@ -162,12 +170,15 @@ class ModelRunner:
         finished = [c.request_id for c in chunks if c.sample]
         return ModelOutput(pooled=dict(zip(finished, pooled.cpu().tolist(), strict=True)))
 
-    def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
-                          num_accepted: dict[str, int]) -> None:
+    def _roll_back_states(self, verifying: list[ScheduledChunk],
+                          saved: list[torch.Tensor] | None, num_accepted: dict[str, int]) -> None:
         """Hybrid models: requests that rejected a draft get their pre-step recurrent state
-        back, then recompute it over the tokens they kept (``spec_decode/state_rollback.py``)."""
+        back, then recompute it over the tokens they kept (``spec_decode/state_rollback.py``).
+        ``saved`` None: nothing was verified here (DP x EP still votes on the recompute)."""
         redo = [(i, c) for i, c in enumerate(verifying)
-                if num_accepted[c.request_id] < c.num_draft_tokens]
+                if num_accepted[c.request_id] < c.num_draft_tokens] if saved is not None else []
+        if self.lockstep is not None:
+            self.lockstep.rollback(bool(redo))
         if not redo:
             return
         state_rollback.restore(self.caches, [self.requests[c.request_id].state_slot
