@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -27,6 +26,20 @@ def inputs(rank: int, step: int, n: int) -> torch.Tensor:
     return torch.randn(n, CFG.hidden_size)
 
 
+def scripted_proposer(head: nn.Module):
+    """An MTP proposer whose drafting runs a scripted number of head passes on ``x``."""
+    from qwenserve.spec_decode.mtp import MtpProposer
+
+    class Scripted(MtpProposer):
+        def _propose(self, request_ids, requests):
+            for _ in range(self.script):
+                self.head_passes += 1
+                self.outs.append(self.head(self.x))
+            return {}
+
+    return Scripted(head, None, None, 16, torch.device("cpu"), K, 128)
+
+
 def replica(rank: int, port: int, results) -> None:
     from qwenserve.distributed.init import join_data_parallel_groups, leave_parallel_group
     from qwenserve.worker.dp_passes import LockstepPasses
@@ -36,9 +49,9 @@ def replica(rank: int, port: int, results) -> None:
     try:
         target = nn.Sequential(sharded_like(whole_block(0), groups.tp, groups.moe))
         head = nn.Sequential(sharded_like(whole_block(1), groups.tp, groups.moe))
-        mtp = SimpleNamespace(num_tokens=K, head=head, head_passes=0)
+        mtp = scripted_proposer(head)
         passes = LockstepPasses(groups.moe, target, vote_rollback=True, mtp=mtp)
-        outs = []
+        outs = mtp.outs = []
         with torch.no_grad():
             for step, work in enumerate(STEPS[rank]):
                 if work is None:
@@ -50,10 +63,8 @@ def replica(rank: int, port: int, results) -> None:
                 passes.rollback(rolls_back)
                 if rolls_back:
                     outs.append(target(x[:1]))
-                for _ in range(head_passes):
-                    outs.append(head(x))
-                mtp.head_passes = head_passes
-                passes.pad_head()
+                mtp.x, mtp.script = x, head_passes
+                assert mtp.propose([], {}) == {} and mtp.head_passes == head_passes
         results.put((rank, [o.numpy() for o in outs]))
     finally:
         leave_parallel_group(groups.moe)

@@ -9,8 +9,9 @@ With it a step may run more, so its schedule is fixed, the same on every replica
     2. hybrid models with speculation: one vote (a 1-int all-reduce) "does a replica roll back
        a rejected draft?"; if one does, every replica runs the target's forward again: the
        recompute over the kept tokens (runner), or zero tokens
-    3. MTP heads (``MtpProposer``): exactly ``num_speculative_tokens`` head passes, the head's
-       MoE layer included: catch-up + k - 1 drafts, each real or zero-token
+    3. MTP heads: exactly ``num_speculative_tokens`` head passes, the head's MoE layer
+       included: catch-up + k - 1 drafts, each real or zero-token (``MtpProposer.propose``
+       pads its own passes when ``lockstep`` is set; an idle step runs them all here)
 
 Nothing that differs between replicas (which requests were drafted or accepted, requests at
 their block limit, ``disable_by_batch_size``, a step of prefill chunks only, no requests at
@@ -35,13 +36,15 @@ class LockstepPasses:
         self.model = model
         self.vote_rollback = vote_rollback  # hybrid model with speculation: step 2 exists
         self.mtp = mtp  # step 3 exists
+        if mtp is not None:
+            mtp.lockstep = True
 
     def idle_step(self) -> None:
         """This replica's share of a step it has nothing scheduled in (1, 2 and 3 idle)."""
         run_idle_moe(self.model)
         self.rollback(False)
         if self.mtp is not None:
-            self._idle_head(self.mtp.num_tokens)
+            self.mtp.idle_passes(self.mtp.num_tokens)
 
     def rollback(self, mine: bool) -> None:
         """Step 2 (before the recompute, which the caller runs when ``mine``): a replica with
@@ -51,13 +54,3 @@ class LockstepPasses:
         anyone = self.group.max_flags([int(mine)])[0]
         if anyone and not mine:
             run_idle_moe(self.model)
-
-    def pad_head(self) -> None:
-        """Step 3, after ``propose``: zero-token head passes for those it did not run."""
-        if self.mtp is not None:
-            self._idle_head(self.mtp.num_tokens - self.mtp.head_passes)
-
-    def _idle_head(self, passes: int) -> None:
-        assert self.mtp is not None
-        for _ in range(passes):
-            run_idle_moe(self.mtp.head)

@@ -158,8 +158,6 @@ class ModelRunner:
         if self.proposer is not None:
             output.draft_token_ids = self.proposer.propose(self._draftable(sampled_chunks),
                                                            self.requests)
-            if self.lockstep is not None:
-                self.lockstep.pad_head()
         return output
 
     def _pooled(self, chunks: list[ScheduledChunk], last_hidden: torch.Tensor) -> ModelOutput:
