@@ -55,12 +55,15 @@ class PromptScoring:
 
 
 class ModelRunner:
+    # DP x EP: the MoE passes every replica runs each step, padded where this one has less
+    # (set by the worker: ``dp_passes.py``)
+    lockstep: LockstepPasses | None = None
+
     def __init__(self, model: CausalLM, caches: ModelCaches, backends: Backends, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
                  pooler: PoolerConfig | None = None,
-                 proposer: Proposer | None = None,
-                 lockstep: LockstepPasses | None = None) -> None:
+                 proposer: Proposer | None = None) -> None:
         self.model = model
         self.caches = caches
         self.attn_backend = backends.attention
@@ -74,8 +77,6 @@ class ModelRunner:
         self.grammars = grammars
         self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
         self.proposer = proposer  # speculative decoding (driver only)
-        # DP x EP: the MoE passes every replica runs each step, padded where this one has less
-        self.lockstep = lockstep
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # Requests with images, and the vision tower's outputs they hold (worker/mm_inputs.py)
@@ -130,6 +131,8 @@ class ModelRunner:
         saved = None if not verifying else state_rollback.snapshot(
             self.caches, [self.requests[c.request_id].state_slot for c in verifying],
             self.device)
+        if saved is None and self.lockstep is not None and self.lockstep.vote_rollback:
+            saved = []  # nothing to roll back here, but the replicas vote on it every step
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
         if self.pooler is not None:
             return self._pooled(chunks, hidden[batch.logits_indices])
@@ -143,7 +146,7 @@ class ModelRunner:
         sampled_chunks = [c for c in chunks if c.sample]
         output = ModelOutput(prompt_logprobs=scored)
         emitted = self._sample(logits, sampled_chunks)
-        if saved is not None or self.lockstep is not None:
+        if saved is not None:
             self._roll_back_states(verifying, saved, dict(zip(
                 [c.request_id for c in sampled_chunks], [len(t) - 1 for t in emitted])))
         for chunk, tokens in zip(sampled_chunks, emitted):
@@ -168,13 +171,13 @@ class ModelRunner:
         finished = [c.request_id for c in chunks if c.sample]
         return ModelOutput(pooled=dict(zip(finished, pooled.cpu().tolist(), strict=True)))
 
-    def _roll_back_states(self, verifying: list[ScheduledChunk],
-                          saved: list[torch.Tensor] | None, num_accepted: dict[str, int]) -> None:
+    def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
+                          num_accepted: dict[str, int]) -> None:
         """Hybrid models: requests that rejected a draft get their pre-step recurrent state
         back, then recompute it over the tokens they kept (``spec_decode/state_rollback.py``).
-        ``saved`` None: nothing was verified here (DP x EP still votes on the recompute)."""
+        DP x EP: every replica votes first, so all or none run the recompute's MoE passes."""
         redo = [(i, c) for i, c in enumerate(verifying)
-                if num_accepted[c.request_id] < c.num_draft_tokens] if saved is not None else []
+                if num_accepted[c.request_id] < c.num_draft_tokens]
         if self.lockstep is not None:
             self.lockstep.rollback(bool(redo))
         if not redo:

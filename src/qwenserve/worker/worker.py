@@ -277,29 +277,20 @@ class Worker:
                                  plan.num_state_slots, self.dtype, self.device, zeroed=False)
         grammars = RequestGrammars(partial(model_grammar_service, self.config.model)) \
             if self.tp.is_driver and self.config.pooler is None else None
-        proposer = self._proposer(plan, caches)
         self.runner = ModelRunner(self.model, caches, self.backends, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed,
                                   self.has_state, grammars, self.config.pooler,
-                                  proposer, self._lockstep(proposer))
+                                  self._proposer(plan, caches))
         if self.config.kv_transfer is not None:
             self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
                                             self.tp,
                                             self.config.model.hf_config.num_key_value_heads)
+        self.runner.lockstep = self._lockstep(self.runner.proposer)
 
     @property
     def has_state(self) -> bool:
         """Whether the model has recurrent-state layers (the runner builds their metadata)."""
         return any(isinstance(s, RecurrentStateSpec) for s in self.specs)
-
-    def _lockstep(self, proposer: Proposer | None) -> LockstepPasses | None:
-        """DP x EP: the MoE passes each step runs on every replica (``dp_passes.py``)."""
-        if self.dp_ep is None:
-            return None
-        return LockstepPasses(
-            self.dp_ep, self.model,
-            vote_rollback=self.has_state and self.config.speculative is not None,
-            mtp=proposer if isinstance(proposer, MtpProposer) else None)
 
     def _proposer(self, plan: CachePlan, caches: ModelCaches) -> Proposer | None:
         spec = self.config.speculative
@@ -340,6 +331,15 @@ class Worker:
         self.runner.execute(SchedulerOutput(
             chunks=[ScheduledChunk("warmup", [0], len(tokens), [], True)]))
         self.runner.execute(SchedulerOutput(finished_request_ids=["warmup"]))
+
+    def _lockstep(self, proposer: Proposer | None) -> LockstepPasses | None:
+        """DP x EP: the MoE passes each step runs on every replica (``dp_passes.py``)."""
+        if self.dp_ep is None:
+            return None
+        return LockstepPasses(
+            self.dp_ep, self.model,
+            vote_rollback=self.has_state and self.config.speculative is not None,
+            mtp=proposer if isinstance(proposer, MtpProposer) else None)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         assert self.runner is not None, "init_cache() first"
