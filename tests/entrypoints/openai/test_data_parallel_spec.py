@@ -1,7 +1,8 @@
 """MTP speculative decoding with data parallelism, on real processes: a tiny Qwen3.5-MoE with an
 ``mtp.*`` head (hybrid: its Gated DeltaNet states roll back on rejected drafts) served with
 ``--data-parallel-size 2 --enable-expert-parallel --speculative-config qwen3_5_mtp`` as vLLM
-Ascend's guides run it, and with plain ``--data-parallel-size 2``.
+Ascend's guides run it (also with ``--tensor-parallel-size 2``), and with plain
+``--data-parallel-size 2``.
 
 With DP x EP the replicas form one MoE group, the MTP head's MoE layer included, so every replica
 must run the same MoE passes each step: target, rollback recompute, k head passes
@@ -84,10 +85,13 @@ def _per_engine(server: RemoteServer, name: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False], ids=["dp_ep", "dp"])
-def test_mtp_with_data_parallelism_equals_one_engine(moe_mtp_path, reference, tmp_path,
-                                                     expert_parallel):
-    flags = [*ARGS, "--enable-expert-parallel"] if expert_parallel else ARGS
+@pytest.mark.parametrize("extra", [["--enable-expert-parallel"], [],
+                                   ["--enable-expert-parallel", "--tensor-parallel-size", "2"]],
+                         ids=["dp_ep", "dp", "dp_ep_tp2"])
+def test_mtp_with_data_parallelism_equals_one_engine(moe_mtp_path, reference, tmp_path, extra):
+    """dp_ep_tp2: 2 replicas x 2 tensor-parallel ranks, the head sharded on both ranks of each
+    replica, its experts over all 4."""
+    flags = [*ARGS, *extra]
     server = RemoteServer([moe_mtp_path, *flags], tmp_path / "serve.log",
                           env={"QWENSERVE_SERVER_DEV_MODE": "1"})
     try:
