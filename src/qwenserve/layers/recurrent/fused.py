@@ -100,7 +100,8 @@ class NativeGDN:
         return (q.dtype in _DTYPE_CODES and k.dtype == v.dtype == q.dtype
                 and pool.dtype in _DTYPE_CODES and pool.is_contiguous()
                 and q.device.type == pool.device.type == "cpu"
-                and v.shape[-1] % 8 == 0 and v.shape[1] % k.shape[1] == 0)
+                and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+                and v.shape[1] % k.shape[1] == 0)
 
     def chunk_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, pool: torch.Tensor, meta: GDNMetadata,
