@@ -181,23 +181,26 @@ struct ChunkArgs {
   int64_t num_prefills, Hk, Hv, Dk, Dv, C;
 };
 
-// A task's buffers (floats), reused across its chunks and the thread's next tasks.
+// A task's buffers (floats), one set per thread, kept from call to call (`workspace`).
 struct Workspace {
   std::vector<float> mem;
+  int64_t shape[3] = {0, 0, 0};
   float *S, *K, *KT, *V, *X, *U, *O, *A, *T, *Tb, *Tw, *Att, *P, *Vn, *gam, *bet, *eg;
-  Workspace(int64_t C, int64_t Dk, int64_t Dv) {
+  void resize(int64_t C, int64_t Dk, int64_t Dv) {
+    if (shape[0] == C && shape[1] == Dk && shape[2] == Dv) return;
+    shape[0] = C, shape[1] = Dk, shape[2] = Dv;
     const int64_t sizes[] = {Dk * Dv, C * Dk, Dk * C, C * Dv, 2 * C * Dk, C * Dv, C * Dv,
                              C * C,   C * C,  C * C,  C * C,  C * C,      2 * C * 16, C * 16,
                              C,       C,      C};
     float** ptrs[] = {&S, &K, &KT, &V, &X, &U, &O, &A, &T, &Tb, &Tw, &Att, &P, &Vn, &gam, &bet,
                       &eg};
-    int64_t total = 0;
-    for (int64_t n : sizes) total += n + 16;  // 64-byte gaps keep every buffer aligned alike
+    int64_t total = 16;  // room to start at a cache line; the sizes keep 32-byte alignment
+    for (int64_t n : sizes) total += n;
     mem.assign(total, 0.0f);
-    float* p = mem.data();
+    float* p = mem.data() + (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64 / 4;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
       *ptrs[i] = p;
-      p += sizes[i] + 16;
+      p += sizes[i];
     }
   }
 };
@@ -254,13 +257,14 @@ void pack_chunk(const ChunkArgs& a, Workspace& w, int64_t t0, int64_t n, int64_t
     }
     l2_normalise(qt, Dk, q_scale);
     l2_normalise(kt, Dk, 1.0f);
-    for (int64_t d = 0; d < Dk; ++d) w.KT[d * C + t] = kt[d];
     gsum += a.g[(t0 + t) * a.Hv + h];
     w.gam[t] = gsum;
     w.bet[t] = a.beta[(t0 + t) * a.Hv + h];
     w.eg[t] = std::exp(gsum);
   }
   for (int64_t t = n; t < C; ++t) w.bet[t] = w.eg[t] = 0.0f;
+  for (int64_t d = 0; d < Dk; ++d)  // contiguous stores; the strided loads hit L1
+    for (int64_t t = 0; t < n; ++t) w.KT[d * C + t] = w.K[t * Dk + d];
 }
 
 // The chunk's own terms, with Γ_ij = exp(gam_i - gam_j):
@@ -348,11 +352,18 @@ void chunk_task(const ChunkArgs& a, Workspace& w, int64_t r, int64_t h) {
   for (int64_t i = 0; i < Dk * Dv; ++i) slot[i] = PT::store(w.S[i]);
 }
 
+// This thread's workspace: fresh pages would cost a page fault each, on every call.
+Workspace& workspace(int64_t C, int64_t Dk, int64_t Dv) {
+  static thread_local Workspace w;
+  w.resize(C, Dk, Dv);
+  return w;
+}
+
 template <typename DT, typename PT>
 void chunk_prefill(const ChunkArgs& a) {
 #pragma omp parallel
   {
-    Workspace w(a.C, a.Dk, a.Dv);
+    Workspace& w = workspace(a.C, a.Dk, a.Dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < a.num_prefills * a.Hv; ++task)
       chunk_task<DT, PT>(a, w, task / a.Hv, task % a.Hv);
