@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from qwenserve.layers.backends import ElementwiseKernels
 
 
 class Platform(ABC):
@@ -66,6 +69,10 @@ class Platform(ABC):
     def float_linear(self) -> Callable[..., torch.Tensor] | None:
         """A faster ``linear(x, weight, bias)`` for float weights than ``F.linear``, or None.
         Contract: same results as ``F.linear`` up to fp32 summation order."""
+        return None
+
+    def elementwise_kernels(self) -> ElementwiseKernels | None:
+        """Fused RMSNorm / SiLU-and-mul / rotary kernels, or None: the layers' PyTorch code."""
         return None
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,

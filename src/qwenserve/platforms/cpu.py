@@ -104,6 +104,12 @@ class CpuPlatform(Platform):
         # oneDNN for the shapes a model runs (benchmarks.md); bf16 already goes to oneDNN.
         return _onednn_linear if _has_onednn_linear() else None
 
+    def elementwise_kernels(self):
+        # native/csrc/elementwise.cpp, where a compiler is: one pass per fused op (benchmarks.md)
+        from qwenserve.native.kernels import elementwise
+
+        return elementwise()
+
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,
                        int_bias: torch.Tensor | None = None,
