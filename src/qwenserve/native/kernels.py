@@ -88,7 +88,8 @@ class Elementwise:
             self._rot[dtype] = fn
 
     def supports(self, x: torch.Tensor) -> bool:
-        return x.dtype in self._norm and x.device.type == "cpu" and x.stride(-1) == 1
+        # called per layer and op: is_cpu, not x.device (which builds a device object)
+        return x.is_cpu and x.dtype in self._norm and x.stride(-1) == 1
 
     @staticmethod
     def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
