@@ -20,30 +20,15 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from helpers.spec_decode import rig  # noqa: E402
 from helpers.tiny_models import add_mtp_head, make_tiny_model  # noqa: E402
 from qwenserve import LLM, SamplingParams  # noqa: E402
-from qwenserve.spec_decode.mtp import MtpProposer  # noqa: E402
 
 # Qwen3.5's layout (3 DeltaNet : 1 full attention) at a small width.
 SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
              linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
              intermediate_size=768, mtp_num_hidden_layers=1)
-
-
-class RiggedMtp(MtpProposer):
-    """The head runs as usual; its proposals are the target's own greedy continuation."""
-
-    expected: dict[tuple[int, ...], list[int]] = {}
-
-    def choose(self, request_ids, rows, step, requests):
-        out = []
-        for rid in request_ids:
-            state = requests[rid]
-            cont = self.expected[tuple(state.prompt_token_ids)]
-            done = len(state.output_token_ids) + step
-            out.append(cont[done] if done < len(cont) else 0)
-        return out
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams
@@ -68,7 +53,7 @@ def main() -> None:
     engines = {"plain": LLM(path, **common),
                "mtp_random": LLM(path, speculative_config=mtp, **common),
                "mtp_rigged": LLM(path, speculative_config=mtp, **common)}
-    engines["mtp_rigged"].llm_engine.executor.worker.runner.proposer.__class__ = RiggedMtp
+    rigged = engines["mtp_rigged"].llm_engine.executor.worker.runner.proposer
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     longer = SamplingParams(temperature=0, max_tokens=args.max_tokens + k + 1, ignore_eos=True)
     rows = []
@@ -76,7 +61,7 @@ def main() -> None:
         prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(args.prompt_len)]
                    for i in range(batch)]
         _, cont = _run(engines["plain"], prompts, longer)
-        RiggedMtp.expected = {tuple(p): c for p, c in zip(prompts, cont)}
+        rig(rigged, {tuple(p): c for p, c in zip(prompts, cont)})
         times, outputs = {}, {}
         for name, llm in engines.items():
             _run(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm

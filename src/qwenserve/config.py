@@ -106,6 +106,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 1
     model: str | None = None  # the drafter (draft_model) or head (eagle3): folder or hub id
     disable_by_batch_size: int | None = None
+    # vLLM's draft_tensor_parallel_size: None = the target's; 1 = a draft model on the driver
+    # rank only (checked against --tensor-parallel-size in spec_decode/support.py)
+    draft_tensor_parallel_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,9 +136,16 @@ class PoolerConfig:
     """What a pooling model returns for a prompt (``--runner pooling``; rules in
     ``qwenserve/pooling.py``)."""
 
-    kind: str  # "embed" | "classify"
+    kind: str  # "embed" | "classify" | "reward" (every token's output)
     # classify: the LM-head rows whose logits make the score: (negative, positive)
     token_ids: tuple[int, ...] = ()
+    # reward: the model's score-head width (0: no head, each token's final hidden state)
+    num_labels: int = 0
+
+    @property
+    def hidden_states_only(self) -> bool:
+        """Whether the output is made of final hidden states (no LM or score head is used)."""
+        return self.kind == "embed" or (self.kind == "reward" and not self.num_labels)
 
 
 @dataclass(frozen=True)

@@ -182,3 +182,9 @@ def kv_hold_timeout_s() -> float:
 def host_ip() -> str | None:
     """This host's address as other machines reach it (``VLLM_HOST_IP``), when set."""
     return _get("HOST_IP", "VLLM_HOST_IP")
+
+
+def prometheus_multiproc_dir() -> str | None:
+    """prometheus_client's multiprocess mode (set by ``--api-server-count N`` for its API
+    processes, or by the user, as with vLLM): metric values live in files in this folder."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None

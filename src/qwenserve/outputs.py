@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A pooling request's output: one vector (embed, classify) or one row per prompt token (reward)
+PooledData = list[float] | list[list[float]]
 
 @dataclass
 class Logprob:
@@ -60,6 +62,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    pooled: list[float] | None = None  # --runner pooling: embedding or score logits
+    # --runner pooling: embedding or score logits; reward: one row per prompt token
+    pooled: PooledData | None = None
     kv_transfer_params: dict | None = None  # P/D producer: where the prompt's KV waits
     extra: dict = field(default_factory=dict)

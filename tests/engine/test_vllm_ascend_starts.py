@@ -83,3 +83,31 @@ def test_qwen3_5_dense_with_mtp(tiny_model):
     assert '"qwen3_5_mtp"' in str(args.speculative_config).replace("'", '"')
     args.max_model_len = 1024
     generates(args)
+
+
+def test_qwen3_5_mtp_at_tensor_parallel_2(tiny_model):
+    """Qwen3.5-27B-Qwen3.6-27B.md: the MTP head (3 tokens, eager drafter) at TP=2, as written."""
+    from helpers.tiny_models import add_mtp_head
+
+    path = add_mtp_head(tiny_model("qwen3_5", mtp_num_hidden_layers=1))
+    args = engine_args(path, command("Qwen3.5-27B-Qwen3.6-27B.md", 251))
+    assert args.tensor_parallel_size == 2 and "qwen3_5_mtp" in str(args.speculative_config)
+    args.max_model_len = 1024
+    generates(args)
+
+
+def test_qwen3_eagle3_at_tensor_parallel(tiny_model, tmp_path):
+    """Qwen3-Dense.md: an EAGLE-3 head at TP=4 (capped at 2 here); the head's folder is the
+    tutorial's placeholder, replaced by a tiny head."""
+    from helpers.tiny_models import make_eagle3_head
+
+    target = tiny_model("qwen3", num_hidden_layers=4)
+    args = engine_args(target, command("Qwen3-Dense.md", 556))
+    assert args.tensor_parallel_size == 2
+    spec = json.loads(args.speculative_config) if isinstance(args.speculative_config, str) \
+        else dict(args.speculative_config)
+    assert spec["method"] == "eagle3" and spec["model"] == "your_eagle3_model_path"
+    spec["model"] = make_eagle3_head(target, str(tmp_path / "head"))
+    args.speculative_config = spec
+    args.max_model_len = 1024
+    generates(args)

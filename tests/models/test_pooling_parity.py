@@ -63,6 +63,15 @@ def test_reranker_score_is_the_yes_no_logit_of_hf(reranker):
     llm.llm_engine.shutdown()
 
 
-def test_reward_task_is_refused_by_name(embedder):
-    with pytest.raises(ValueError, match="reward"):
-        LLM(embedder, dtype="float32", task="reward")
+def test_reward_task_gives_every_tokens_hidden_state(embedder):
+    """vLLM's older ``--task reward`` (its ``as_reward_model``) on a checkpoint without a head."""
+    import transformers as tf
+
+    hf = tf.AutoModel.from_pretrained(embedder, dtype=torch.float32).eval()
+    llm = LLM(embedder, dtype="float32", task="reward", max_num_batched_tokens=16,
+              kv_cache_memory_bytes=16 << 20)
+    out = llm.encode([{"prompt_token_ids": PROMPTS[0]}])[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPTS[0]])).last_hidden_state[0]
+    torch.testing.assert_close(torch.tensor(out.pooled), want, atol=1e-4, rtol=1e-4)
+    llm.llm_engine.shutdown()

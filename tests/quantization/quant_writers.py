@@ -19,12 +19,18 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# MoE models: also every routed expert's and the shared expert's projections (the router
+# ``mlp.gate`` and ``shared_expert_gate`` stay float, as llm-compressor and ModelSlim leave them).
+MOE_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+|mlp\.shared_expert)"
+                        r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+EXPERT = re.compile(r"\.mlp\.(experts\.\d+|shared_expert)\.")
 
 CT_W8A8_GROUP = {
     "targets": ["Linear"],
@@ -73,12 +79,14 @@ def ct_quantization_config(**group_overrides) -> dict:
             "transform_config": {}, "global_compression_ratio": None, "version": "0.12.2"}
 
 
-def write_compressed_tensors(src: str, dst: str, quantization_config: dict | None = None) -> str:
-    """Quantize every decoder linear layer of ``src`` into ``dst`` (lm_head stays float)."""
+def write_compressed_tensors(src: str, dst: str, quantization_config: dict | None = None,
+                             linear: re.Pattern = LINEAR) -> str:
+    """Quantize every decoder linear layer of ``src`` (those ``linear`` matches) into ``dst``
+    (lm_head stays float)."""
     config = _copy_folder(src, dst)
     tensors = {}
     for name, tensor in _read(src).items():
-        if LINEAR.search(name):
+        if linear.search(name):
             tensors[name], tensors[name + "_scale"] = quantize_channels(tensor)
         else:
             tensors[name] = tensor
@@ -134,22 +142,36 @@ def calibrate(src: str, prompts: list[list[int]]) -> dict[str, tuple[float, floa
     return ranges
 
 
+def moe_mixed_type(name: str) -> str:
+    """vLLM Ascend's MoE W8A8 recipes: attention static W8A8, experts W8A8_DYNAMIC, the dense
+    MLP layers left FLOAT (a mixed description)."""
+    if EXPERT.search(name):
+        return "W8A8_DYNAMIC"
+    return "W8A8" if ".self_attn." in name else "FLOAT"
+
+
 def write_modelslim(src: str, dst: str, act_ranges: dict[str, tuple[float, float]] | None = None,
-                    dynamic: bool = False, int64_deq: bool = False) -> str:
-    """W8A8 (static, needs ``act_ranges`` from ``calibrate``) or W8A8_DYNAMIC export of ``src``."""
+                    dynamic: bool = False, int64_deq: bool = False,
+                    type_of: Callable[[str], str] | None = None,
+                    linear: re.Pattern = LINEAR) -> str:
+    """W8A8 (static, needs ``act_ranges`` from ``calibrate``) or W8A8_DYNAMIC export of ``src``;
+    ``type_of(weight name)`` picks W8A8 / W8A8_DYNAMIC / FLOAT per layer instead."""
     _copy_folder(src, dst)  # config.json unchanged: ModelSlim adds no quantization_config
-    quant_type = "W8A8_DYNAMIC" if dynamic else "W8A8"
+    model_type = "W8A8_DYNAMIC" if dynamic else "W8A8"
     float_tensors = _read(src)
-    tensors, description = {}, {"model_quant_type": quant_type, "version": "1.0.0"}
+    tensors, description = {}, {"model_quant_type": model_type, "version": "1.0.0"}
     for name, tensor in float_tensors.items():
-        if not LINEAR.search(name):
-            if not (name.endswith(".bias") and name[:-5] + ".weight" in float_tensors
-                    and LINEAR.search(name[:-5] + ".weight")):
+        type_of = type_of or (lambda _: model_type)
+        quant_type = type_of(name) if linear.search(name) else "FLOAT"
+        if quant_type == "FLOAT":
+            weight = name[:-5] + ".weight"
+            if not (name.endswith(".bias") and weight in float_tensors and linear.search(weight)
+                    and type_of(weight) != "FLOAT"):  # a quantized layer writes its own bias
                 tensors[name], description[name] = tensor, "FLOAT"
             continue
         module = name[: -len(".weight")]
         bias = float_tensors.get(module + ".bias")
-        if dynamic:
+        if quant_type == "W8A8_DYNAMIC":
             weight_q, weight_scale = quantize_channels(tensor)
             layer = {name: weight_q, f"{module}.weight_scale": weight_scale,
                      f"{module}.weight_offset": torch.zeros_like(weight_scale)}

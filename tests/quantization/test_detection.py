@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from quant_writers import CT_W8A8_GROUP, ct_quantization_config
 
-from qwenserve.quantization import resolve_quantization
+from qwenserve.quantization import resolve_quantization, schemes
 from qwenserve.quantization.schemes import ct_scheme_for, modelslim_type_for
 
 
@@ -66,14 +66,37 @@ def test_contradicting_flag_on_modelslim(tmp_path, flag):
         resolve_quantization(hf_config(folder=modelslim_folder(tmp_path)), flag)
 
 
-def test_quantized_moe_experts_are_refused(tmp_path):
-    moe = hf_config(ct_quantization_config())
+def test_quantized_moe_experts_load_but_quantized_gates_and_static_experts_are_refused(tmp_path):
+    moe = hf_config({**ct_quantization_config(),
+                     "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]})
     moe.num_experts = 8
-    with pytest.raises(ValueError, match="quantizes MoE experts"):
+    assert resolve_quantization(moe, None)[0] == "compressed-tensors"  # INT8 experts: loaded
+    moe.quantization_config["ignore"] = ["lm_head"]  # "Linear" then covers the router too
+    with pytest.raises(ValueError, match=r"mlp.gate \(a MoE router.*ignore list"):
         resolve_quantization(moe, None)
-    folder = modelslim_folder(tmp_path, **{"model.layers.0.mlp.experts.0.up_proj.weight": "W8A8"})
-    with pytest.raises(ValueError, match="quantizes MoE experts"):
-        resolve_quantization(hf_config(folder=folder), None)
+    expert = "model.layers.0.mlp.experts.0.up_proj.weight"
+    folder = modelslim_folder(tmp_path, **{expert: "W8A8_DYNAMIC"})
+    assert resolve_quantization(hf_config(folder=folder), "ascend")[0] == "ascend"
+    for entries, message in (({expert: "W8A8"}, "static W8A8 activations"),
+                             ({"model.layers.0.mlp.gate.weight": "W8A8_DYNAMIC"}, "MoE router"),
+                             ({"model.layers.0.mlp.shared_expert_gate.weight": "W8A8"},
+                              "MoE router or shared-expert gate")):
+        folder = modelslim_folder(tmp_path, **entries)
+        with pytest.raises(ValueError, match=message):
+            resolve_quantization(hf_config(folder=folder), None)
+
+
+def test_modelslim_expert_types():
+    names = schemes.expert_weight_names("model.layers.2.mlp.experts", 2)
+    assert names[0] == "model.layers.2.mlp.experts.0.gate_proj.weight" and len(names) == 6
+    assert schemes.expert_weight_names("m.mlp.shared_expert", 1)[2] == \
+        "m.mlp.shared_expert.down_proj.weight"
+    desc = dict.fromkeys(names, "W8A8_DYNAMIC")
+    assert schemes.modelslim_expert_type("model.layers.2.mlp.experts", 2, desc) == "W8A8_DYNAMIC"
+    assert schemes.modelslim_expert_type("model.layers.3.mlp.experts", 2, desc) is None
+    desc[names[-1]] = "FLOAT"
+    with pytest.raises(ValueError, match="quantized differently"):
+        schemes.modelslim_expert_type("model.layers.2.mlp.experts", 2, desc)
 
 
 def test_other_methods_are_refused_not_loaded_as_float(tmp_path):
@@ -141,3 +164,18 @@ def test_modelslim_layer_types(tmp_path):
     desc["model.layers.0.self_attn.k_proj.weight"] = "FLOAT"
     with pytest.raises(ValueError, match="quantized differently"):
         modelslim_type_for("model.layers.0.self_attn.qkv_proj", desc)
+
+
+def test_vision_language_names_are_read_as_the_text_model(tmp_path):
+    """Qwen3.5(-MoE) checkpoints nest the text model under model.language_model.: their
+    descriptions and ignore lists are read by the text model's names, as the weights load."""
+    vlm = "model.language_model.layers.0.mlp."
+    entries = {f"{vlm}experts.{e}.{p}_proj.weight": "W8A8_DYNAMIC"
+               for e in range(2) for p in ("gate", "up", "down")}
+    folder = modelslim_folder(tmp_path, **entries, **{f"{vlm}gate.weight": "FLOAT"})
+    _, config = resolve_quantization(hf_config(folder=folder), "ascend")
+    desc = config["description"]
+    assert schemes.modelslim_expert_type("model.layers.0.mlp.experts", 2, desc) == "W8A8_DYNAMIC"
+    ct = {**ct_quantization_config(), "ignore": ["lm_head", "model.language_model.layers.0.mlp.gate"]}
+    assert ct_scheme_for("model.layers.0.mlp.gate", ct) is None
+    assert ct_scheme_for("model.layers.1.mlp.gate", ct) is not None

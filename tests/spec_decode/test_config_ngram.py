@@ -40,7 +40,7 @@ def test_parse_mtp_methods_and_default_tokens():
      "prompt_lookup_max"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "foo"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}',
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}',
      "draft_tensor_parallel_size"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, '
      '"prompt_lookup_max": 3}', "prompt_lookup_min"),

@@ -11,8 +11,8 @@ the MoE one with ``norm_before_residual``).
 - a rigged proposer (the head runs, its proposals are the target's own continuation):
   acceptance near 100%, still identical, under forced preemption and prefix-cache hits; the
   metrics count it;
-- refusals: a head for another hidden size or vocabulary (both sizes named), no "model", TP > 1,
-  a plain model passed as the head.
+- refusals: a head for another hidden size or vocabulary (both sizes named), no "model", a
+  plain model passed as the head. TP=2: ``test_spec_tp.py``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import json
 import pytest
 import torch
 
+from helpers.spec_decode import gen as _gen
+from helpers.spec_decode import ids, rig, totals
+from helpers.spec_decode import spec_llm as _llm
 from helpers.tiny_models import load_hf_model, make_eagle3_head
-from qwenserve import LLM, SamplingParams
-from qwenserve.spec_decode.eagle3 import Eagle3Proposer
+from qwenserve import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3], [42] * 9, list(range(10, 40)), [7, 300, 12, 7, 300, 12, 7],
            list(range(100, 130)) + list(range(100, 110))]
@@ -37,22 +39,8 @@ def _spec(head):
     return {"method": "eagle3", "model": head, "num_speculative_tokens": K}
 
 
-def _llm(path, **kw):
-    return LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
-               block_size=16, **kw)
-
-
 def gen(llm, params, prompts=PROMPTS):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-
-
-def ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _totals(llm):
-    t = llm.llm_engine.scheduler.spec_totals
-    return t.num_drafts, t.num_draft_tokens, t.num_accepted_tokens
+    return _gen(llm, params, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +114,7 @@ def test_greedy_identical_and_head_matches_reference(pair, arch):
     spec = _llm(target, speculative_config=_spec(head_path))
     assert ids(gen(spec, GREEDY)) == expected
     assert ids(gen(spec, GREEDY)) == expected  # again: prefix-cache hits
-    drafts, draft_tokens, _ = _totals(spec)
+    drafts, draft_tokens, _ = totals(spec)
     assert drafts > 0 and draft_tokens > drafts  # k > 1 drafts per step
     proposer = spec.llm_engine.executor.worker.runner.proposer
     assert proposer.target.aux_layer_ids == tuple(layer_ids)
@@ -153,36 +141,18 @@ def test_greedy_identical_and_head_matches_reference(pair, arch):
     assert all(bool(head.d2t.numel()) and 0 <= d < 512 for step in drafted for d in step)
 
 
-class RiggedEagle3(Eagle3Proposer):
-    """The real head runs (its KV, catch-up and draft steps), but each proposal is the target's
-    own greedy continuation, so drafts are accepted."""
-
-    expected: dict[tuple[int, ...], list[int]] = {}
-
-    def choose(self, request_ids, rows, step, requests):
-        super().choose(request_ids, rows, step, requests)  # the real LM head and d2t run
-        out = []
-        for rid in request_ids:
-            state = requests[rid]
-            cont = self.expected[tuple(state.prompt_token_ids)]
-            done = len(state.output_token_ids) + step
-            out.append(cont[done] if done < len(cont) else 0)
-        return out
-
-
 def test_rigged_head_accepts_under_preemption_and_prefix_hits(pair):
     target, head_path, _ = pair("qwen3")
     plain = _llm(target)
     longer = ids(gen(plain, SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K + 1,
                                            ignore_eos=True)))
     expected = [e[:MAX_TOKENS] for e in longer]
-    spec = LLM(target, dtype="float32", max_model_len=64, max_num_batched_tokens=16,
-               block_size=16, speculative_config=_spec(head_path), num_gpu_blocks_override=5)
-    proposer = spec.llm_engine.executor.worker.runner.proposer
-    proposer.__class__ = RiggedEagle3
-    RiggedEagle3.expected = {tuple(p): e for p, e in zip(PROMPTS, longer)}
+    spec = _llm(target, max_model_len=64, speculative_config=_spec(head_path),
+                num_gpu_blocks_override=5)
+    rig(spec.llm_engine.executor.worker.runner.proposer,
+        {tuple(p): e for p, e in zip(PROMPTS, longer)})
     assert ids(gen(spec, GREEDY)) == expected
-    drafts, draft_tokens, accepted = _totals(spec)
+    drafts, draft_tokens, accepted = totals(spec)
     assert accepted / draft_tokens > 0.95
     assert spec.llm_engine.scheduler.num_preemptions > 0
     per_pos = spec.llm_engine.scheduler.spec_totals.num_accepted_tokens_per_pos
@@ -212,5 +182,3 @@ def test_refusals(pair, tiny_model, tmp_path):
         _llm(target, speculative_config=_spec(fc_norm))
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         _llm(target, speculative_config=_spec(tiny_model("qwen3")))
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        _llm(target, speculative_config=_spec(head_path), tensor_parallel_size=2)

@@ -9,7 +9,7 @@
 - a rigged head (the head runs, its proposals are the target's own continuation): acceptance
   near 100%, still identical, under forced preemption, prefix-cache hits, n > 1, stop strings
   and max_tokens ending mid-draft; the metrics count it;
-- refusals: no mtp.* tensors, an architecture without a head, TP > 1.
+- refusals: no mtp.* tensors, an architecture without a head. TP=2: ``test_spec_tp.py``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.spec_decode import gen as _gen
+from helpers.spec_decode import ids, rig, totals
+from helpers.spec_decode import spec_llm as _llm
 from helpers.tiny_models import add_mtp_head, hf_mtp_layer, load_hf_model
-from qwenserve import LLM, SamplingParams
-from qwenserve.spec_decode.mtp import MtpProposer
+from qwenserve import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3], [42] * 9, list(range(10, 40)), [7, 300, 12, 7, 300, 12, 7],
            list(range(100, 130)) + list(range(100, 110))]
@@ -29,17 +31,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 MTP = {"method": "qwen3_5_mtp", "num_speculative_tokens": K}
 
 
-def _llm(path, **kw):
-    return LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
-               block_size=16, **kw)
-
-
 def gen(llm, params, prompts=PROMPTS):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-
-
-def ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
+    return _gen(llm, params, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +40,6 @@ def mtp_path(tiny_model):
     def build(arch):
         return add_mtp_head(tiny_model(arch, mtp_num_hidden_layers=1))
     return build
-
-
-def _totals(llm):
-    t = llm.llm_engine.scheduler.spec_totals
-    return t.num_drafts, t.num_draft_tokens, t.num_accepted_tokens
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe",
@@ -85,7 +73,7 @@ def test_greedy_identical_and_head_matches_reference(mtp_path, arch):
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
     assert ids(gen(spec, GREEDY)) == expected
-    drafts, draft_tokens, accepted = _totals(spec)
+    drafts, draft_tokens, accepted = totals(spec)
     assert drafts > 0 and draft_tokens >= drafts and accepted <= draft_tokens
     for _ in range(2):  # a hybrid model's first repeat saves the state checkpoint it hits next
         assert ids(gen(spec, GREEDY, PROMPTS[4:])) == expected[4:]
@@ -123,22 +111,6 @@ def _reference(path, prompt, sampled, hidden):
     return h, _zc_norm(y[0], tensors["norm.weight"])
 
 
-class RiggedMtp(MtpProposer):
-    """The real head runs (its KV, catch-up and draft steps), but each proposal is the target's
-    own greedy continuation, so drafts are accepted."""
-
-    expected: dict[tuple[int, ...], list[int]] = {}
-
-    def choose(self, request_ids, rows, step, requests):
-        out = []
-        for rid in request_ids:
-            state = requests[rid]
-            cont = self.expected[tuple(state.prompt_token_ids)]
-            done = len(state.output_token_ids) + step
-            out.append(cont[done] if done < len(cont) else 0)
-        return out
-
-
 @pytest.fixture(scope="module")
 def rigged(mtp_path):
     """Qwen3.5 with a 5-block KV cache of 16 tokens (five requests of up to 60 tokens do not fit
@@ -147,19 +119,17 @@ def rigged(mtp_path):
     plain = _llm(path)
     expected = ids(gen(plain, SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K + 1,
                                              ignore_eos=True)))
-    spec = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=16,
-               block_size=16, speculative_config=MTP, num_gpu_blocks_override=5)
-    proposer = spec.llm_engine.executor.worker.runner.proposer
-    proposer.__class__ = RiggedMtp
-    RiggedMtp.expected = {tuple(p): e for p, e in zip(PROMPTS, expected)}
+    spec = _llm(path, max_model_len=64, speculative_config=MTP, num_gpu_blocks_override=5)
+    rig(spec.llm_engine.executor.worker.runner.proposer,
+        {tuple(p): e for p, e in zip(PROMPTS, expected)})
     return plain, spec, [e[:MAX_TOKENS] for e in expected]
 
 
 def test_rigged_head_accepts_and_stays_identical(rigged):
     plain, spec, expected = rigged
-    before = _totals(spec)
+    before = totals(spec)
     assert ids(gen(spec, GREEDY)) == expected
-    drafts, draft_tokens, accepted = (a - b for a, b in zip(_totals(spec), before))
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(totals(spec), before))
     assert accepted / draft_tokens > 0.95
     assert spec.llm_engine.scheduler.num_preemptions > 0
     per_pos = spec.llm_engine.scheduler.spec_totals.num_accepted_tokens_per_pos
@@ -196,5 +166,3 @@ def test_refusals(tiny_model, mtp_path):
         _llm(tiny_model("qwen3_5"), speculative_config=MTP)
     with pytest.raises(ValueError, match="no multi-token-prediction head"):
         _llm(tiny_model("qwen2"), speculative_config={"method": "mtp"})
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        _llm(mtp_path("qwen3_5"), speculative_config=MTP, tensor_parallel_size=2)

@@ -242,3 +242,16 @@ def test_quantization_the_server_cannot_run_fails(
     assert code == (1 if status == "FAIL" else 0)
     if status == "FAIL":
         assert "--quantization int8" in check["fix"]
+
+
+def test_int8_moe_experts_pass(model, capsys):
+    """A MoE checkpoint with INT8 experts (the router left float) is served, and doctor says so."""
+    config = json.loads((model / "config.json").read_text())
+    quant = {**_W8A8, "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    (model / "config.json").write_text(json.dumps({**config, "num_experts": 8,
+                                                   "quantization_config": quant}))
+    code, report = doctor_model(capsys, model)
+    check = by_id(report)["model_quantization"]
+    assert code == 0 and check["status"] == "PASS"
+    assert check["reason"] == "compressed-tensors INT8 W8A8, MoE experts INT8 (per-token dynamic " \
+        "activations)"

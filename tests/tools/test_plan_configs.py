@@ -318,3 +318,86 @@ def test_mtp_adds_its_kv_layer_and_head_weights(tmp_path, capsys):
     assert (m["weight_bytes_per_device"] - p["weight_bytes_per_device"]
             > 2 * c["hidden_size"] ** 2 * 2)
     assert "--speculative-config" in mtp["commands"]["qwenserve"]
+
+
+def test_eagle3_head_counted_per_rank(tmp_path, capsys):
+    """--speculative-config method eagle3: the head's weights (fc [H, 3H], a decoder layer whose
+    q/k/v read 2H, its draft-vocabulary LM head) and one more paged KV layer, sharded per rank
+    at TP=2 like the target's own layers (fc, norms and LM head replicated)."""
+    path = write_model(tmp_path, "Qwen3-8B")
+    c = text_config("Qwen3-8B")
+    h, layers, kv = c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"]
+    head = tmp_path / "head"  # the config is all the planner reads
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=h,
+        intermediate_size=c["intermediate_size"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=kv, head_dim=c.get("head_dim"), num_hidden_layers=1,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        vocab_size=c["vocab_size"], draft_vocab_size=32000, target_hidden_size=h,
+        tie_word_embeddings=False, torch_dtype="bfloat16")))
+    head = str(head)
+    spec = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    argv = ("--max-model-len", "32768", "--device", "h200")
+    plans = {}
+    for tp in (1, 2):
+        _, plain = plan(capsys, path, *argv, "--tp", str(tp))
+        _, eagle = plan(capsys, path, *argv, "--tp", str(tp), "--speculative-config", spec)
+        p, e = by_tp(plain)[tp], by_tp(eagle)[tp]
+        assert e["kv_bytes_per_token"] * layers == p["kv_bytes_per_token"] * (layers + 1)
+        assert e["weight_bytes_per_device"] - p["weight_bytes_per_device"] \
+            == e["speculative_head_weight_bytes"]
+        assert "--speculative-config" in eagle["commands"]["qwenserve"]
+        plans[tp] = e
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kvw, inter = c["num_attention_heads"] * head_dim, kv * head_dim, c["intermediate_size"]
+    sharded = 2 * h * (q + 2 * kvw) + q * h + 3 * h * inter  # bf16 bytes / 2 per element
+    replicated = 3 * h * h + 32000 * h + 4 * h  # fc, lm_head, norms (elements)
+    assert plans[1]["speculative_head_weight_bytes"] >= 2 * (sharded + replicated)
+    assert plans[1]["speculative_head_weight_bytes"] - plans[2]["speculative_head_weight_bytes"] \
+        == sharded  # half of the sharded layers' bf16 bytes
+
+
+@pytest.mark.parametrize("fmt", ["modelslim", "compressed-tensors"])
+def test_int8_moe_experts_are_planned_at_one_byte_with_their_scales(tmp_path, capsys, fmt):
+    """Qwen3-30B-A3B as vLLM Ascend's W8A8 checkpoints have it (attention W8A8, experts
+    W8A8_DYNAMIC) or as llm-compressor writes it: every attention and expert matrix at one byte
+    per element plus one float32 scale per output row, the routers in the model dtype; and
+    qwenserve serves it (no refusal)."""
+    c = text_config("Qwen3-30B-A3B")
+    layers, hidden, inter, experts = (c["num_hidden_layers"], c["hidden_size"],
+                                      c["moe_intermediate_size"], c["num_experts"])
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    attn_numel, attn_rows = (q + 2 * kv) * hidden + hidden * q, q + 2 * kv + hidden
+    expert_numel, expert_rows = experts * 3 * inter * hidden, experts * (2 * inter + hidden)
+    float_path = write_model(tmp_path, "Qwen3-30B-A3B")
+    if fmt == "modelslim":
+        quant_path = write_model(tmp_path / "q", "Qwen3-30B-A3B")
+        desc = {"model_quant_type": "W8A8", "model.embed_tokens.weight": "FLOAT"}
+        for layer in range(layers):
+            for proj in ("q", "k", "v", "o"):
+                desc[f"model.layers.{layer}.self_attn.{proj}_proj.weight"] = "W8A8"
+            desc[f"model.layers.{layer}.mlp.gate.weight"] = "FLOAT"
+            for e in range(experts):
+                for proj in ("gate", "up", "down"):
+                    desc[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = \
+                        "W8A8_DYNAMIC"
+        (tmp_path / "q" / "Qwen3-30B-A3B" / "quant_model_description.json").write_text(
+            json.dumps(desc))
+    else:
+        config = {**_CT_W8A8, "ignore": ["lm_head", "re:.*mlp.gate$"]}
+        quant_path = write_model(tmp_path / "q", "Qwen3-30B-A3B", quantization_config=config)
+    args = ("--tp", "1", "--device", "h200", "--max-model-len", "4096")
+    weights = {}
+    for name, path, dtype in (("bf16", float_path, "bfloat16"), ("fp32", float_path, "float32"),
+                              ("int8", quant_path, "bfloat16"),
+                              ("int8-fp32", quant_path, "float32")):
+        _, report = plan(capsys, path, *args, "--dtype", dtype)
+        weights[name] = report["plans"][0]["weight_bytes_per_device"]
+    numel, scales = layers * (attn_numel + expert_numel), layers * (attn_rows + expert_rows) * 4
+    assert weights["bf16"] - weights["int8"] == numel * (2 - 1) - scales  # halved, scales added
+    assert weights["fp32"] - weights["int8-fp32"] == numel * (4 - 1) - scales  # a quarter
+    assert report["quantization"] == "w8a8" and report["quantization_from_checkpoint"]
+    assert report["commands"]["qwenserve"] is not None  # served, not refused
+    assert not any("MoE" in note for note in report["notes"])

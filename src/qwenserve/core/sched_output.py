@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from qwenserve.kv_transfer.params import RemotePrefill
 from qwenserve.multimodal.inputs import MultiModalInputs
+from qwenserve.outputs import PooledData
 from qwenserve.sampling_params import SamplingParams
 
 
@@ -116,7 +117,7 @@ class RequestUpdate:
     num_cached_tokens: int  # prompt tokens found in the prefix cache (-1: not admitted yet)
     first_scheduled_time: float | None  # wall clock
     prompt_logprobs: list[SampledToken] | None = None  # with its first token, when asked for
-    pooled: list[float] | None = None  # --runner pooling: the prompt's pooled output
+    pooled: PooledData | None = None  # --runner pooling: the prompt's pooled output
     kv_transfer_params: dict | None = None  # P/D producer: where its prompt's KV waits
 
     @property
@@ -137,7 +138,7 @@ class ModelOutput:
     # The entry at position p scores prompt token p + 1 (its ``token_id``) given tokens 0..p.
     prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     # pooling runner (--runner pooling): request id -> its pooled output, instead of a sample
-    pooled: dict[str, list[float]] = field(default_factory=dict)
+    pooled: dict[str, PooledData] = field(default_factory=dict)
     # Prefill/decode disaggregation: pulls that ended since the last step (request id -> None
     # when the KV arrived, else why not), and held requests a consumer has pulled.
     kv_pulls_done: dict[str, str | None] = field(default_factory=dict)

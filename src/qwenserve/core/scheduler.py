@@ -36,6 +36,7 @@ from qwenserve.core.sched_output import (
 )
 from qwenserve.kv_transfer.config import KVTransferConfig
 from qwenserve.metrics.stats import SchedulerStats, SpecDecodingStats
+from qwenserve.outputs import PooledData
 from qwenserve.request import Request, RequestStatus
 
 
@@ -400,7 +401,7 @@ class Scheduler:
 
 
 def _update(req: Request, token: SampledToken | None,
-            pooled: list[float] | None = None) -> RequestUpdate:
+            pooled: PooledData | None = None) -> RequestUpdate:
     """The step's news about ``req`` as plain data (the live request stays in core)."""
     finish = req.finish_reason
     first = req.num_output_tokens == 1

@@ -177,13 +177,15 @@ class EngineArgs:
     async_scheduling: bool = _opt(
         "Accepted; no effect yet (logged): the next step is scheduled after the current one.",
         default=False, group="SchedulerConfig")
-    runner: str = _opt("generate, or pooling (embedding and reranker models: /v1/embeddings, "
-                       "/score, /rerank); auto: pooling for ...ForSequenceClassification.",
+    runner: str = _opt("generate, or pooling (embedding, reranker and reward models: "
+                       "/v1/embeddings, /score, /rerank, /pooling); auto: pooling for "
+                       "...ForSequenceClassification and ...ForRewardModel.",
                        default="auto", choices=RUNNERS)
     task: str = _opt("vLLM's older name for the runner: embed (embedding), score/classify "
-                     "(reranker); reward is not implemented yet.", default="auto",
+                     "(reranker), reward (every token's output on /pooling).", default="auto",
                      choices=TASKS)
-    convert: str = _opt("Serve a causal LM as embed (last-token pooling) or classify model.",
+    convert: str = _opt("Serve a causal LM as embed (last-token pooling), classify or reward "
+                        "(every token's hidden state) model.",
                         default="auto", choices=CONVERTS)
     enable_expert_parallel: bool = _opt(
         "Shard MoE experts whole across the tensor-parallel ranks instead of slicing each "
@@ -229,19 +231,31 @@ class EngineArgs:
     # ---- resolution ---------------------------------------------------------------------------
     def _pooler(self, model_config: Any) -> PoolerConfig | None:
         """None for text generation; else what a pooling request returns (qwenserve.pooling)."""
-        from qwenserve.pooling import classifier_token_ids, pooling_kind, wants_pooling
+        from qwenserve.pooling import (
+            classifier_token_ids,
+            is_reward_architecture,
+            pooling_kind,
+            wants_pooling,
+        )
 
         hf = model_config.hf_config
         archs = getattr(hf, "original_architectures", None) or hf.architectures
-        seq_cls = any("ForSequenceClassification" in a for a in archs or [])
-        if not (wants_pooling(self.runner, self.task, self.convert) or seq_cls):
+        pooling_arch = any("ForSequenceClassification" in a for a in archs or []) \
+            or is_reward_architecture(archs)
+        if not (wants_pooling(self.runner, self.task, self.convert) or pooling_arch):
             return None
         if self.runner == "generate":
             raise ValueError("--runner generate cannot serve --task/--convert "
-                             f"{self.task}/{self.convert}; use --runner pooling")
+                             f"{self.task}/{self.convert}"
+                             f"{' or ' + archs[0] if pooling_arch else ''}; use --runner pooling")
         kind = pooling_kind(self.task, self.convert, archs, hf)
         if kind == "embed":
             return PoolerConfig("embed")
+        if kind == "reward":
+            from qwenserve.models.registry import load_model_class
+
+            num_labels = getattr(load_model_class(hf.architectures[0]), "num_labels", 0)
+            return PoolerConfig("reward", num_labels=num_labels)
         from qwenserve.models.tokenizer import load_tokenizer
 
         tokens = list(hf.classifier_from_token)
@@ -284,11 +298,14 @@ class EngineArgs:
                              f"{model_config.quantization} checkpoint is not implemented yet: "
                              "drop --load-format or use an unquantized model")
         log_option_notes(self, platform.name)
+        pooler = self._pooler(model_config)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
                 block_size=block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                # every token's output (reward) needs every token computed, as in vLLM
+                enable_prefix_caching=self.enable_prefix_caching and not (
+                    pooler is not None and pooler.kind == "reward"),
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -305,7 +322,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel),
             load_format=self.load_format,
-            pooler=self._pooler(model_config),
+            pooler=pooler,
             platform_name=platform.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,

@@ -76,21 +76,7 @@ class AsyncEngine:
         """The engine core in its own process unless ``multiprocess`` is False (default: the
         ``QWENSERVE_ENABLE_MULTIPROCESSING`` setting); with ``data_parallel`` over one rank,
         one process per local rank behind ``DPCoreClient``."""
-        if multiprocess is None:
-            multiprocess = envs.enable_multiprocessing()
-        core: CoreClient
-        if data_parallel is not None and data_parallel.size > 1:
-            if not multiprocess:
-                raise ValueError("data parallelism runs each engine in its own process: unset "
-                                 "QWENSERVE_ENABLE_MULTIPROCESSING=0")
-            from qwenserve.engine.dp_client import start_dp_client
-
-            core = start_dp_client(args, data_parallel)
-        elif multiprocess:
-            core = ProcCoreClient(args)
-        else:
-            core = ThreadCoreClient(LLMEngine.from_engine_args(args))
-        return cls(core, stat_loggers)
+        return cls(start_core_client(args, multiprocess, data_parallel), stat_loggers)
 
     # ---- what the server reads at start-up ----------------------------------------------------
     @property
@@ -328,3 +314,20 @@ def _settle(future: asyncio.Future[object], ok: bool, value: object) -> None:
     else:
         assert isinstance(value, BaseException)
         future.set_exception(value)
+
+
+def start_core_client(args: EngineArgs, multiprocess: bool | None = None,
+                      data_parallel: DataParallelConfig | None = None) -> CoreClient:
+    """The topology the options ask for (see ``AsyncEngine.from_engine_args``), started."""
+    if multiprocess is None:
+        multiprocess = envs.enable_multiprocessing()
+    if data_parallel is not None and data_parallel.size > 1:
+        if not multiprocess:
+            raise ValueError("data parallelism runs each engine in its own process: unset "
+                             "QWENSERVE_ENABLE_MULTIPROCESSING=0")
+        from qwenserve.engine.dp_client import start_dp_client
+
+        return start_dp_client(args, data_parallel)
+    if multiprocess:
+        return ProcCoreClient(args)
+    return ThreadCoreClient(LLMEngine.from_engine_args(args))

@@ -17,6 +17,7 @@ from qwenserve.metrics.stats import FinishedRequestStats, IterationStats
 from qwenserve.outputs import (
     CompletionOutput,
     Logprob,
+    PooledData,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -53,7 +54,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # once the prompt has been scored
     prompt_logprobs_sent: bool = False
-    pooled: list[float] | None = None  # pooling runner
+    pooled: PooledData | None = None  # pooling runner
     kv_transfer_params: dict | None = None  # P/D producer's answer, with its last output
 
     @property

@@ -17,7 +17,7 @@ from qwenserve.entrypoints.media_parts import (
 )
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
-from qwenserve.pooling import pooling_params
+from qwenserve.pooling import pooling_params, server_task, token_rows
 from qwenserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -96,13 +96,19 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "_images": chat.images})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def encode(self, prompts: PromptType | Sequence[PromptType],
-               use_tqdm: bool = False) -> list[RequestOutput]:
+    def encode(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False,
+               pooling_task: str | None = None) -> list[RequestOutput]:
         """Pooling models (``runner="pooling"``): each prompt's pooled output in
         ``RequestOutput.pooled`` (the raw last-token hidden state, or the reranker's score
-        logit); ``qwenserve.pooling.embedding``/``relevance`` turn it into vLLM's figures."""
-        if self.llm_engine.config.pooler is None:
+        logit; a reward model: one raw row per prompt token);
+        ``qwenserve.pooling.embedding``/``relevance``/``token_rows`` turn it into vLLM's figures.
+        ``pooling_task``, as vLLM's, must name the task this model runs when given."""
+        pooler = self.llm_engine.config.pooler
+        if pooler is None:
             raise ValueError("encode() needs a pooling model: LLM(..., runner='pooling')")
+        if pooling_task is not None and pooling_task != server_task(pooler):
+            raise ValueError(f"Unsupported task: {pooling_task!r} Supported tasks: "
+                             f"[{server_task(pooler)!r}]")
         request_ids = []
         for prompt in _as_prompt_list(prompts):
             text, token_ids, _ = self._tokenize(prompt)
@@ -112,6 +118,20 @@ class LLM:
             self.llm_engine.add_request(request_id, token_ids, params, prompt=text)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False,
+               use_activation: bool | None = None) -> list[RequestOutput]:
+        """Reward models (vLLM's ``LLM.reward``): each prompt's per-token rewards in
+        ``RequestOutput.pooled``, one row per token: raw, as vLLM 0.32 returns them, or with
+        ``use_activation`` the score head's ``sigmoid``."""
+        pooler = self.llm_engine.config.pooler
+        if pooler is None or pooler.kind != "reward":
+            raise ValueError("reward() needs a reward model (Qwen2ForRewardModel, or "
+                             "--convert reward)")
+        outs = self.encode(prompts, use_tqdm)
+        for out in outs:
+            out.pooled = token_rows(out.pooled, use_activation, pooler.num_labels)
+        return outs
 
     def _tokenize(self, prompt: PromptType
                   ) -> tuple[str | None, list[int], MultiModalInputs | None]:

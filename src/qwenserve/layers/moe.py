@@ -2,7 +2,8 @@
 
 Experts are stacked parameters, ``w13`` [E, 2*I, H] (gate rows, then up rows) and ``w2`` [E, H, I],
 so a faster backend (grouped GEMM, torch_npu's grouped matmul) can take them as they are. The
-reference groups token-expert pairs by expert and runs one SwiGLU per active expert.
+reference groups token-expert pairs by expert and runs one SwiGLU per active expert, through the
+layer's ``ExpertMethod`` (float here; INT8 W8A8 in ``quantization/expert_methods.py``).
 
 Sharding (tensor or expert parallelism): a ``MoEShard`` says which experts and which
 slice of the intermediate dimension this rank holds. The loaders slice full checkpoint tensors
@@ -13,8 +14,9 @@ skipped); the caller all-reduces. With the default shard the layer is complete.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +27,42 @@ from qwenserve.distributed.parallel_group import ParallelGroup
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_SHARED = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}
+_PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight\w*)$")
+_SHARED = re.compile(r"^(gate_proj|up_proj|down_proj)\.(weight\w*)$")
+# Per-expert tensors of INT8 checkpoints besides ``weight``: the per-output-channel scale, and the
+# all-zero offsets some exporters write for symmetric weights (ModelSlim ``weight_offset``,
+# compressed-tensors ``weight_zero_point``), checked as they arrive and not kept.
+_SCALE = "weight_scale"
+_ZERO_POINTS = ("weight_offset", "weight_zero_point")
+
+
+class ExpertMethod(Protocol):
+    """How a ``FusedMoE`` stores its experts and runs one expert's SwiGLU (float, INT8 W8A8).
+
+    ``create_weights`` registers ``w13`` [E, 2I, H] and ``w2`` [E, H, I] (and, when quantized,
+    ``w13_scale`` [E, 2I, 1] and ``w2_scale`` [E, H, 1] float32, one per output channel);
+    ``expert_mlp`` computes down(silu(gate(x)) * up(x)) for local expert ``expert``."""
+
+    quantized: bool  # INT8 weights with per-channel scales
+
+    def create_weights(self, layer: nn.Module, num_local: int, inter: int, hidden: int,
+                       dtype: torch.dtype | None) -> None: ...
+
+    def expert_mlp(self, layer: nn.Module, x: torch.Tensor, expert: int) -> torch.Tensor: ...
+
+
+class FloatExperts:
+    """Experts in the model dtype (the default method)."""
+
+    quantized = False
+
+    def create_weights(self, layer: nn.Module, num_local: int, inter: int, hidden: int,
+                       dtype: torch.dtype | None) -> None:
+        layer.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, dtype=dtype))
+        layer.w2 = nn.Parameter(torch.empty(num_local, hidden, inter, dtype=dtype))
+
+    def expert_mlp(self, layer: nn.Module, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return swiglu(x, layer.w13[expert], layer.w2[expert])
 
 
 def route_topk(
@@ -50,14 +86,15 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 
 def fused_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    expert_mlp: Callable[[torch.Tensor, int], torch.Tensor],
+    num_local: int,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_start: int = 0,
 ) -> torch.Tensor:
     """Sum of the routed experts' outputs: x [T, H], topk_* [T, k] (global expert ids; this rank
-    holds experts ``expert_start .. expert_start + w13.shape[0] - 1``) -> [T, H].
+    holds experts ``expert_start .. expert_start + num_local - 1``; ``expert_mlp(xs, e)`` runs
+    local expert ``e`` on its tokens) -> [T, H].
 
     The T*k (token, expert) pairs are sorted by expert so each expert's tokens are contiguous:
 
@@ -67,18 +104,18 @@ def fused_experts(
     num_tokens, top_k = topk_ids.shape
     local = topk_ids.reshape(-1) - expert_start  # [T*k]
     pairs = torch.arange(num_tokens * top_k, device=x.device)  # [T*k]
-    held = (local >= 0) & (local < w13.shape[0])
+    held = (local >= 0) & (local < num_local)
     local, pairs = local[held], pairs[held]
     order = torch.argsort(local, stable=True)
     pairs = pairs[order]  # [P] grouped by expert
     tokens = pairs // top_k  # [P]
-    counts = torch.bincount(local, minlength=w13.shape[0]).tolist()  # host: per-expert sizes
+    counts = torch.bincount(local, minlength=num_local).tolist()  # host: per-expert sizes
     xs = x.index_select(0, tokens)  # [P, H]
     ys = torch.empty_like(xs)  # [P, H]
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            ys[start : start + count] = swiglu(xs[start : start + count], w13[expert], w2[expert])
+            ys[start : start + count] = expert_mlp(xs[start : start + count], expert)
             start += count
     ys = ys * topk_weights.reshape(-1)[pairs, None]
     return torch.zeros_like(x).index_add_(0, tokens, ys)
@@ -127,7 +164,15 @@ class FusedMoE(nn.Module):
     Checkpoint names relative to this module (``...mlp.experts.``), both accepted by
     ``load_weight``: per-expert ``{e}.gate_proj.weight`` [I, H], ``{e}.up_proj.weight`` [I, H],
     ``{e}.down_proj.weight`` [H, I]; or fused ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
+    INT8 experts (``method`` quantized) come per expert, each weight int8 with its
+    ``weight_scale`` [rows, 1]: gate/up scales are sliced with their rows under tensor
+    parallelism, down's (one per hidden row) are whole on every rank.
     """
+
+    # registered by the ExpertMethod: [E_local, 2I, H] and [E_local, H, I] (int8 when quantized,
+    # with float32 ``w13_scale`` [E_local, 2I, 1] and ``w2_scale`` [E_local, H, 1])
+    w13: nn.Parameter
+    w2: nn.Parameter
 
     def __init__(
         self,
@@ -138,6 +183,7 @@ class FusedMoE(nn.Module):
         renormalize: bool = True,
         dtype: torch.dtype | None = None,
         shard: MoEShard | None = None,
+        method: ExpertMethod | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -146,32 +192,75 @@ class FusedMoE(nn.Module):
         self.local_experts = self.shard.expert_range(num_experts)
         self.i_slice = self.shard.intermediate_slice(intermediate_size)
         num_local, inter = len(self.local_experts), self.i_slice.stop - self.i_slice.start
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, inter, dtype=dtype))
+        self.method = method or FloatExperts()
+        self.method.create_weights(self, num_local, inter, hidden_size, dtype)
+        self.quantized = self.method.quantized
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H] (this rank's partial sum when sharded)."""
         weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
-        return fused_experts(x, self.w13, self.w2, weights, ids, self.local_experts.start)
+        return fused_experts(x, self.expert_mlp, len(self.local_experts), weights, ids,
+                             self.local_experts.start)
+
+    def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Local expert ``expert``'s SwiGLU on x [n, H] -> [n, H]."""
+        return self.method.expert_mlp(self, x, expert)
 
     @torch.no_grad()
-    def load_expert(self, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
-        """Copy one expert's full ``gate``/``up`` [I, H] or ``down`` [H, I] into its local slice;
-        experts held by other ranks are skipped."""
-        if expert_id not in self.local_experts:
+    def load_expert(self, expert_id: int, shard_id: str, tensor: torch.Tensor,
+                    kind: str = "weight") -> None:
+        """Copy one expert's full ``gate``/``up`` [I, H] or ``down`` [H, I] (``kind`` "weight"),
+        or its per-row ``weight_scale`` [I, 1] / [H, 1], into its local slice; experts held by
+        other ranks are skipped."""
+        what = f"expert {expert_id} {shard_id}_proj.{kind}"
+        if not self._accepts(kind, tensor, what) or expert_id not in self.local_experts:
             return
         e, inter = expert_id - self.local_experts.start, self.w2.shape[-1]
+        w13, w2 = (self.w13, self.w2) if kind == "weight" else (self.w13_scale, self.w2_scale)
         if shard_id == "down":
-            _check(tensor, (self.hidden_size, self.intermediate_size), f"expert {expert_id} down")
-            self.w2[e].copy_(tensor[:, self.i_slice])
+            if kind == "weight":
+                _check(tensor, (self.hidden_size, self.intermediate_size), what)
+                w2[e].copy_(tensor[:, self.i_slice])
+            else:  # one scale per hidden row: not sliced by tensor parallelism
+                w2[e].copy_(_rows(tensor, self.hidden_size, what))
             return
-        _check(tensor, (self.intermediate_size, self.hidden_size), f"expert {expert_id} {shard_id}")
+        if kind == "weight":
+            _check(tensor, (self.intermediate_size, self.hidden_size), what)
+        else:
+            tensor = _rows(tensor, self.intermediate_size, what)
         rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}[shard_id]
-        self.w13[e, rows].copy_(tensor[self.i_slice])
+        w13[e, rows].copy_(tensor[self.i_slice])
+
+    def _accepts(self, kind: str, tensor: torch.Tensor, what: str) -> bool:
+        """Whether ``tensor`` has a place here: INT8 weights and their scales only in quantized
+        experts, float weights only in float ones; all-zero offsets are checked and dropped."""
+        if kind == "weight":
+            if self.quantized and tensor.dtype != torch.int8:
+                raise ValueError(f"{what}: the quantization config marks these experts INT8 but "
+                                 f"the checkpoint holds a {tensor.dtype} weight; the checkpoint's "
+                                 "config does not match its tensors")
+            if not self.quantized and not tensor.is_floating_point():
+                raise ValueError(f"{what}: the checkpoint holds {tensor.dtype} expert weights but "
+                                 "its quantization config leaves these experts float; the "
+                                 "checkpoint's config does not match its tensors")
+            return True
+        if not self.quantized or kind not in (_SCALE, *_ZERO_POINTS):
+            raise KeyError(f"FusedMoE: unexpected tensor {what} for "
+                           f"{'INT8' if self.quantized else 'float'} experts")
+        if kind in _ZERO_POINTS:
+            if tensor.abs().max().item() != 0:
+                raise ValueError(f"{what} is not zero (asymmetric int8 weights); qwenserve runs "
+                                 "symmetric weights only: export with symmetric weights")
+            return False
+        return True
 
     @torch.no_grad()
     def load_fused(self, kind: str, tensor: torch.Tensor) -> None:
         """Copy the hub's fused ``gate_up`` [E, 2I, H] or ``down`` [E, H, I] tensor."""
+        if self.quantized:
+            raise ValueError(f"experts.{kind}_proj: fused expert tensors in an INT8 checkpoint; "
+                             "qwenserve loads INT8 experts per expert ({e}.gate_proj.weight with "
+                             "its weight_scale), as ModelSlim and llm-compressor write them")
         full = self.intermediate_size
         experts = slice(self.local_experts.start, self.local_experts.stop)
         if kind == "down":
@@ -185,7 +274,7 @@ class FusedMoE(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Load a checkpoint tensor by its name relative to this module (either layout)."""
         if match := _PER_EXPERT.match(name):
-            self.load_expert(int(match[1]), match[2].removesuffix("_proj"), tensor)
+            self.load_expert(int(match[1]), match[2].removesuffix("_proj"), tensor, match[3])
         elif name.removesuffix(".weight") in ("gate_up_proj", "down_proj"):
             self.load_fused(name.removesuffix(".weight").removesuffix("_proj"), tensor)
         else:
@@ -195,6 +284,13 @@ class FusedMoE(nn.Module):
 def _check(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     if tuple(tensor.shape) != shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)}, expected {shape}")
+
+
+def _rows(scale: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """A per-output-channel scale, stored [rows, 1] or [rows], as [rows, 1]."""
+    if scale.numel() != rows or scale.dim() > 2:
+        raise ValueError(f"{what}: checkpoint shape {tuple(scale.shape)}, expected ({rows}, 1)")
+    return scale.reshape(rows, 1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -220,11 +316,13 @@ class SparseMoeBlock(nn.Module):
         dtype: torch.dtype | None = None,
         shard: MoEShard | None = None,
         shared_shard: MoEShard | None = None,
+        method: ExpertMethod | None = None,
+        shared_method: ExpertMethod | None = None,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)  # router
         self.experts = FusedMoE(
-            num_experts, top_k, hidden_size, intermediate_size, renormalize, dtype, shard
+            num_experts, top_k, hidden_size, intermediate_size, renormalize, dtype, shard, method
         )
         self.shared_expert: FusedMoE | None = None
         self.shared_expert_gate: nn.Linear | None = None
@@ -233,7 +331,7 @@ class SparseMoeBlock(nn.Module):
                                           tp_size=self.experts.shard.tp_size)
             # a one-expert FusedMoE holds the shared SwiGLU with the same slicing rules
             self.shared_expert = FusedMoE(
-                1, 1, hidden_size, shared_intermediate_size, False, dtype, tp
+                1, 1, hidden_size, shared_intermediate_size, False, dtype, tp, shared_method
             )
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
 
@@ -241,19 +339,23 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] -> [T, H]."""
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
-            se = self.shared_expert
-            shared = swiglu(x, se.w13[0], se.w2[0])  # [T, H]
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + self.shared_output(x)
         return out
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated shared expert: sigmoid(shared_expert_gate(x)) * SwiGLU(x), [T, H]."""
+        assert self.shared_expert is not None and self.shared_expert_gate is not None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.expert_mlp(x, 0)
 
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """``gate.weight``, ``experts.*`` (either layout), ``shared_expert.{gate,up,down}_proj
-        .weight``, ``shared_expert_gate.weight``."""
+        .weight`` (and INT8 ``.weight_scale``), ``shared_expert_gate.weight``."""
         if name.startswith("experts."):
             self.experts.load_weight(name.removeprefix("experts."), tensor)
-        elif name.startswith("shared_expert.") and self.shared_expert is not None:
-            self.shared_expert.load_expert(0, _SHARED[name.removeprefix("shared_expert.")], tensor)
+        elif (name.startswith("shared_expert.") and self.shared_expert is not None
+              and (match := _SHARED.match(name.removeprefix("shared_expert.")))):
+            self.shared_expert.load_expert(0, match[1].removesuffix("_proj"), tensor, match[2])
         elif name == "shared_expert_gate.weight" and self.shared_expert_gate is not None:
             self.shared_expert_gate.weight.copy_(tensor)
         elif name == "gate.weight":
@@ -275,6 +377,8 @@ class MoEBlock(SparseMoeBlock):
     tensor-parallel partial sums are all-reduced (one collective, as for a dense MLP).
 
     ``renormalize`` None: the config's ``norm_topk_prob`` decides (Qwen3-MoE, Qwen3-Next).
+    ``method`` / ``shared_method``: how the routed / shared experts compute (float by default;
+    ``ModelContext.expert_method`` gives the checkpoint's INT8 method).
 
     Tensor parallelism slices every expert's intermediate dimension; expert parallelism
     (``expert_parallel``, ``--enable-expert-parallel``) gives each rank whole experts instead, as
@@ -297,7 +401,9 @@ class MoEBlock(SparseMoeBlock):
 
     def __init__(self, cfg: PretrainedConfig, dtype: torch.dtype, tp: ParallelGroup,
                  shared_intermediate_size: int = 0, renormalize: bool | None = None,
-                 expert_parallel: bool = False, dp_ep: ParallelGroup | None = None) -> None:
+                 expert_parallel: bool = False, dp_ep: ParallelGroup | None = None,
+                 method: ExpertMethod | None = None,
+                 shared_method: ExpertMethod | None = None) -> None:
         if dp_ep is not None and dp_ep.world_size > tp.world_size:
             ep = dp_ep
         else:
@@ -311,7 +417,8 @@ class MoEBlock(SparseMoeBlock):
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
             renormalize=bool(getattr(cfg, "norm_topk_prob", True)) if renormalize is None
             else renormalize,
-            shared_intermediate_size=shared_intermediate_size, dtype=dtype, **shards)
+            shared_intermediate_size=shared_intermediate_size, dtype=dtype,
+            method=method, shared_method=shared_method, **shards)
         for p in self.parameters():
             p.requires_grad_(False)
         self.tp = tp
@@ -338,9 +445,7 @@ class MoEBlock(SparseMoeBlock):
         replica = ep.rank // tp
         own = slice(replica * m, replica * m + n)
         if self.shared_expert is not None and n:
-            se = self.shared_expert
-            out[own] += torch.sigmoid(self.shared_expert_gate(x)) * swiglu(x, se.w13[0],
-                                                                           se.w2[0])
+            out[own] += self.shared_output(x)
         return ep.all_reduce(out)[own]
 
     def run_idle(self) -> None:

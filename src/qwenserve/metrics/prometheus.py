@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qwenserve import envs
 from qwenserve.metrics.stats import (
     EngineStats,
     FinishedRequestStats,
@@ -294,7 +295,10 @@ def _make(spec: MetricSpec, registry: Any, max_model_len: int) -> Any:
 
     labels = [*LABELS, *spec.extra_labels]
     if spec.kind == "gauge":
-        return prom.Gauge(spec.name, spec.help, labels, registry=registry)
+        # several API processes: one of them sets the engine's gauges (core_hub.py)
+        mode = "mostrecent" if envs.prometheus_multiproc_dir() else "all"
+        return prom.Gauge(spec.name, spec.help, labels, registry=registry,
+                          multiprocess_mode=mode)
     if spec.kind == "counter":
         return prom.Counter(spec.name, spec.help, labels, registry=registry)
     buckets = build_1_2_5_buckets(max_model_len) if spec.buckets == "1-2-5" else spec.buckets
@@ -448,12 +452,28 @@ class _EngineSeries:
 
 
 def make_registry(process_metrics: bool = True) -> CollectorRegistry:
-    """A fresh registry, with the process and Python collectors ``/metrics`` usually shows."""
+    """A fresh registry, with the process and Python collectors ``/metrics`` usually shows
+    (not in multiprocess mode, where ``exposition`` reads every process's files instead)."""
     import prometheus_client as prom
 
     registry = prom.CollectorRegistry()
-    if process_metrics:
+    if process_metrics and not envs.prometheus_multiproc_dir():
         prom.ProcessCollector(registry=registry)
         prom.PlatformCollector(registry=registry)
         prom.GCCollector(registry=registry)
     return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """``/metrics``: this registry, or in multiprocess mode (``--api-server-count N``) the
+    series of every API process, counters summed, as vLLM serves them."""
+    import prometheus_client as prom
+
+    folder = envs.prometheus_multiproc_dir()
+    if folder is None:
+        return prom.generate_latest(registry)
+    from prometheus_client import multiprocess
+
+    merged = prom.CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged, path=folder)
+    return prom.generate_latest(merged)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches, RecurrentState
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import LinearMethod, UnquantizedLinearMethod
+from qwenserve.layers.moe import ExpertMethod
 from qwenserve.logger import init_logger
 
 if TYPE_CHECKING:
@@ -50,6 +51,11 @@ class ModelContext:
         the platform's float GEMM."""
         method = self.quant.linear_method(prefix) if self.quant is not None else None
         return method or UnquantizedLinearMethod(self.backends.float_linear)
+
+    def expert_method(self, prefix: str, num_experts: int = 1) -> ExpertMethod | None:
+        """How the MoE experts at ``prefix`` (``model.layers.3.mlp.experts``, or a one-expert
+        ``...mlp.shared_expert``) compute: the quantization's method, or None (float)."""
+        return self.quant.expert_method(prefix, num_experts) if self.quant is not None else None
 
 
 class CausalLM(Protocol):
@@ -82,6 +88,17 @@ class CausalLM(Protocol):
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
     def eval(self) -> nn.Module: ...
+
+
+@runtime_checkable
+class TokenScorer(Protocol):
+    """A model with a score head over every token (reward models, ``Qwen2ForRewardModel``)."""
+
+    num_labels: int
+
+    def score_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, num_labels] raw scores."""
+        ...
 
 
 class ModelClass(Protocol):

@@ -180,9 +180,15 @@ class DenseForCausalLM(nn.Module):
         cfg = ctx.hf_config
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = self.make_decoder(ctx)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
-                                      tie_to=self.model.embed_tokens if self.tie else None,
-                                      float_linear=ctx.backends.float_linear)
+        self.lm_head = self.make_lm_head(ctx)
+
+    def make_lm_head(self, ctx: ModelContext) -> nn.Module | None:
+        """The vocabulary projection (None for models that score tokens with a head of their
+        own, e.g. reward models)."""
+        cfg = ctx.hf_config
+        return ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
+                              tie_to=self.model.embed_tokens if self.tie else None,
+                              float_linear=ctx.backends.float_linear)
 
     def make_decoder(self, ctx: ModelContext) -> DecoderModel:
         switches = self.switches(ctx.hf_config)

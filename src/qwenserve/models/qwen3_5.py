@@ -201,12 +201,17 @@ class Qwen3_5ForCausalLM(DenseForCausalLM):
                                    int(cfg.head_dim * partial_rotary_factor(cfg)),
                                    ctx.max_model_len, ctx.backends.elementwise))
 
-    def make_mlp(self, ctx: ModelContext, layer_id: int) -> nn.Module:
+    def make_mlp(self, ctx: ModelContext, layer_id: int, prefix: str | None = None) -> nn.Module:
+        """``prefix``: the block's checkpoint name where it is not ``model.layers.{layer_id}.mlp``
+        (the MTP head's ``mtp.layers.0.mlp``): quantization configs are looked up by it."""
         cfg = ctx.hf_config
         if is_moe_layer(cfg, layer_id):
+            mlp = prefix or f"model.layers.{layer_id}.mlp"
             return MoEBlock(cfg, ctx.dtype, ctx.tp, cfg.shared_expert_intermediate_size,
                             renormalize=self.moe_renormalize,
-                            expert_parallel=ctx.expert_parallel, dp_ep=ctx.dp_ep)
+                            expert_parallel=ctx.expert_parallel, dp_ep=ctx.dp_ep,
+                            method=ctx.expert_method(f"{mlp}.experts", cfg.num_experts),
+                            shared_method=ctx.expert_method(f"{mlp}.shared_expert"))
         return MLP(ctx, cfg.intermediate_size, False, f"model.layers.{layer_id}.mlp")
 
     @classmethod

@@ -18,7 +18,9 @@ from qwenserve.models.qwen3 import Qwen3ForCausalLM
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(self, ctx: ModelContext, layer_id: int) -> nn.Module:
-        if is_moe_layer(ctx.hf_config, layer_id):
-            return MoEBlock(ctx.hf_config, ctx.dtype, ctx.tp, expert_parallel=ctx.expert_parallel,
-                            dp_ep=ctx.dp_ep)
+        cfg = ctx.hf_config
+        if is_moe_layer(cfg, layer_id):
+            return MoEBlock(cfg, ctx.dtype, ctx.tp, expert_parallel=ctx.expert_parallel,
+                            dp_ep=ctx.dp_ep, method=ctx.expert_method(
+                                f"model.layers.{layer_id}.mlp.experts", cfg.num_experts))
         return super().make_mlp(ctx, layer_id)

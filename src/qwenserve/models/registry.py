@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("qwenserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwenserve.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2ForRewardModel": ("qwenserve.models.qwen2_rm", "Qwen2ForRewardModel"),
     "Qwen3ForCausalLM": ("qwenserve.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwenserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwenserve.models.qwen3_5", "Qwen3_5ForCausalLM"),

@@ -10,7 +10,9 @@ from __future__ import annotations
 from torch import nn
 
 from qwenserve.layers.linear import LinearMethod
+from qwenserve.layers.moe import ExpertMethod
 from qwenserve.quantization import schemes
+from qwenserve.quantization.expert_methods import Int8Experts
 from qwenserve.quantization.kernels import Int8Matmul
 from qwenserve.quantization.methods import AscendW8A8StaticMethod, Int8LinearMethod
 
@@ -23,6 +25,11 @@ class QuantConfig:
 
     def linear_method(self, prefix: str) -> LinearMethod | None:
         raise NotImplementedError
+
+    def expert_method(self, prefix: str, num_experts: int) -> ExpertMethod | None:
+        """INT8 or float (None) for the MoE experts at ``prefix`` (``...mlp.experts`` with
+        ``num_experts`` experts, or a one-expert ``...mlp.shared_expert``)."""
+        return None
 
     def process_weights_after_loading(self, model: nn.Module) -> None:
         """Per-layer finishing after every tensor is in (folded biases, per-shard scales)."""
@@ -51,6 +58,16 @@ class CompressedTensorsConfig(QuantConfig):
                              "qwenserve runs them as one matrix, so all or none must be")
         return Int8LinearMethod(self.matmul, zero_point="weight_zero_point")
 
+    def expert_method(self, prefix: str, num_experts: int) -> ExpertMethod | None:
+        names = schemes.expert_weight_names(prefix, num_experts)
+        quantized = {schemes.ct_scheme_for(name.removesuffix(".weight"), self.config) is not None
+                     for name in names}
+        if len(quantized) > 1:
+            raise ValueError(f"compressed-tensors quantizes only some of the projections of "
+                             f"{prefix}; qwenserve runs a layer's experts as one stack, so all or "
+                             "none must be")
+        return Int8Experts(self.matmul) if quantized.pop() else None
+
 
 class ModelSlimConfig(QuantConfig):
     """Ascend ModelSlim W8A8 (static activations) and W8A8_DYNAMIC, per layer as described."""
@@ -68,6 +85,10 @@ class ModelSlimConfig(QuantConfig):
         if quant_type == "W8A8_DYNAMIC":
             return Int8LinearMethod(self.matmul, zero_point="weight_offset")
         return None
+
+    def expert_method(self, prefix: str, num_experts: int) -> ExpertMethod | None:
+        quant_type = schemes.modelslim_expert_type(prefix, num_experts, self.description)
+        return Int8Experts(self.matmul) if quant_type == "W8A8_DYNAMIC" else None
 
 
 class LoadTimeInt8Config(QuantConfig):

@@ -31,9 +31,14 @@ MERGED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                  "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}  # Qwen3.5
 _DESCRIBED = {"compressed-tensors": "a compressed-tensors checkpoint (quantization_config)",
               "ascend": f"an Ascend ModelSlim checkpoint ({MODELSLIM_DESCRIPTION})"}
-_QUANTIZED_EXPERTS = ("this checkpoint quantizes MoE experts, which qwenserve runs in float "
-                      "only; use the float model (--quantization int8 quantizes its attention and "
-                      "dense layers)")
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# MoE gates: the router (``mlp.gate``, [E, H]) and Qwen3.5's ``shared_expert_gate`` ([1, H]) are
+# Linear layers in HF that both exporters leave float (llm-compressor's MoE recipes ignore them).
+_MOE_GATES = re.compile(r"\.mlp\.(gate|shared_expert_gate)$")
+# Vision-language checkpoints (Qwen3.5, Qwen3.5-MoE, Qwen3-VL) nest the text model under
+# ``model.language_model.``; the models load it as ``model.`` (as vLLM's weights mapper does), so
+# quantization configs written with either name are read by the text model's names.
+_VLM_TEXT, _TEXT = "model.language_model.", "model."
 _MODELSLIM_UNSUPPORTED_KEYS = ("fa_quant_type", "kv_cache_type", "kv_quant_type",
                                "indexer_quant_type")
 
@@ -65,8 +70,12 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
     moe = bool(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0))
     if quant_method == "compressed-tensors":
         validate_compressed_tensors(ckpt)
-        if moe and ct_scheme_for("model.layers.0.mlp.experts.0.gate_proj", ckpt) is not None:
-            raise ValueError(_QUANTIZED_EXPERTS)
+        shared = bool(getattr(hf_config, "shared_expert_intermediate_size", 0))
+        gates = ["model.layers.0.mlp.gate"] if moe else []
+        for gate in gates + (["model.layers.0.mlp.shared_expert_gate"] if shared else []):
+            if ct_scheme_for(gate, ckpt) is not None:
+                raise ValueError(_quantized_gate(gate, "add 're:.*mlp.gate$' and "
+                                                 "'re:.*shared_expert_gate$' to its ignore list"))
         return "compressed-tensors", ckpt
     if desc_path and os.path.isfile(desc_path):
         if quant_method not in (None, "ascend"):
@@ -74,9 +83,7 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
                              f"quant_method {quant_method!r}; remove the one that does not "
                              "describe the weights")
         with open(desc_path) as f:
-            description = validate_modelslim(json.load(f), desc_path)
-        if any(".experts." in k and v != "FLOAT" for k, v in description.items()):
-            raise ValueError(_QUANTIZED_EXPERTS)
+            description = validate_modelslim(_text_names(json.load(f)), desc_path)
         return "ascend", {"quant_method": "ascend", "description": description}
     if quant_method == "ascend":
         raise ValueError(f"config.json says quant_method 'ascend' but {folder or 'the model'} "
@@ -87,6 +94,12 @@ def detect(hf_config: PretrainedConfig) -> tuple[str | None, dict | None]:
                          "(compressed-tensors, Ascend ModelSlim), or quantizes a float checkpoint "
                          "while loading with --quantization int8")
     return None, None
+
+
+def _text_names(desc: dict) -> dict:
+    """A ModelSlim description keyed by the text model's names (``model.layers...``)."""
+    return {_TEXT + k[len(_VLM_TEXT):] if k.startswith(_VLM_TEXT) else k: v
+            for k, v in desc.items()}
 
 
 def _reconcile(detected: str | None, requested: str | None) -> str | None:
@@ -171,12 +184,17 @@ def _arg_problems(what: str, args: dict, strategy: str, dynamic: bool) -> list[s
 
 def ct_scheme_for(module: str, cfg: dict) -> dict | None:
     """The config group whose targets match ``module`` (a checkpoint module name), or None when it
-    is ignored or untargeted. An exact name beats a ``re:`` pattern beats the class ``Linear``."""
-    if any(_ct_rank(pattern, module) for pattern in cfg.get("ignore") or []):
+    is ignored or untargeted. An exact name beats a ``re:`` pattern beats the class ``Linear``.
+    Names are matched as the text model's and as a vision-language checkpoint's."""
+    names = [module]
+    if module.startswith(_TEXT):
+        names.append(_VLM_TEXT + module[len(_TEXT):])
+    if any(_ct_rank(pattern, name) for pattern in cfg.get("ignore") or [] for name in names):
         return None
     best, best_rank = None, 0
     for group in (cfg.get("config_groups") or {}).values():
-        rank = max((_ct_rank(t, module) for t in group.get("targets") or []), default=0)
+        rank = max((_ct_rank(t, name) for t in group.get("targets") or [] for name in names),
+                   default=0)
         if rank > best_rank:
             best, best_rank = group, rank
     return best
@@ -211,7 +229,52 @@ def validate_modelslim(desc: dict, path: str) -> dict:
         if desc.get(name, "FLOAT") != "FLOAT":
             raise ValueError(f"{path}: {name} is quantized ({desc[name]}); qwenserve keeps the "
                              "embeddings and lm_head in float")
+    for name, quant_type in desc.items():
+        if not name.endswith(".weight") or quant_type == "FLOAT":
+            continue
+        if _MOE_GATES.search(name.removesuffix(".weight")):
+            raise ValueError(f"{path}: " + _quantized_gate(name, "export with it FLOAT"))
+        if quant_type == "W8A8" and (".experts." in name or ".shared_expert." in name):
+            raise ValueError(f"{path}: {name} is a MoE expert with static W8A8 activations; "
+                             "qwenserve runs MoE experts as W8A8_DYNAMIC (per-token activations, "
+                             "what ModelSlim's MoE recipes write): export the experts with it")
     return desc
+
+
+def _quantized_gate(name: str, fix: str) -> str:
+    return (f"{name} (a MoE router or shared-expert gate) is quantized; qwenserve keeps these "
+            f"gates in float, as vLLM does: {fix}")
+
+
+def experts_quantized(method: str | None, config: dict | None) -> bool:
+    """Whether a detected checkpoint stores INT8 MoE experts (for reports such as doctor's)."""
+    if method == "compressed-tensors" and config is not None:
+        return ct_scheme_for("model.layers.0.mlp.experts.0.gate_proj", config) is not None
+    if method == "ascend" and config is not None:
+        return any(".experts." in k and v != "FLOAT" for k, v in config["description"].items())
+    return False
+
+
+def expert_weight_names(prefix: str, num_experts: int) -> list[str]:
+    """Checkpoint weight names of the experts at ``prefix``: ``...mlp.experts`` ->
+    ``...experts.{e}.{gate,up,down}_proj.weight`` for every expert; a shared expert (any other
+    prefix) -> ``...shared_expert.{gate,up,down}_proj.weight``."""
+    if prefix.endswith(".experts"):
+        return [f"{prefix}.{e}.{p}.weight" for e in range(num_experts)
+                for p in _EXPERT_PROJECTIONS]
+    return [f"{prefix}.{p}.weight" for p in _EXPERT_PROJECTIONS]
+
+
+def modelslim_expert_type(prefix: str, num_experts: int, desc: dict) -> str | None:
+    """"W8A8_DYNAMIC" for INT8 experts, None for float ones (or ones not listed). A layer's
+    experts run as one stack, so all their projections must share one type."""
+    types = {desc.get(name) or "FLOAT" for name in expert_weight_names(prefix, num_experts)}
+    if len(types) > 1:
+        raise ValueError(f"the experts of {prefix} are quantized differently "
+                         f"({sorted(types)}); qwenserve runs a layer's experts as one stack, so "
+                         "their gate/up/down projections must share one type")
+    quant_type = types.pop()
+    return None if quant_type == "FLOAT" else quant_type
 
 
 def modelslim_type_for(prefix: str, desc: dict) -> str | None:

@@ -28,7 +28,6 @@ REFUSED_METHODS = {
 }
 # vLLM keys that are accepted only at their neutral value (anything else is refused by name).
 _NEUTRAL = {
-    "draft_tensor_parallel_size": (None, 1),
     "quantization": (None,),
     "max_model_len": (None,),
     "revision": (None,),
@@ -38,7 +37,7 @@ _NEUTRAL = {
     "disable_log_stats": (None, False),
 }
 _KNOWN = {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
-          "prompt_lookup_max", "disable_by_batch_size", *_NEUTRAL}
+          "prompt_lookup_max", "disable_by_batch_size", "draft_tensor_parallel_size", *_NEUTRAL}
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None,
@@ -79,7 +78,9 @@ def parse_speculative_config(value: str | dict[str, Any] | None,
         raise ValueError("--speculative-config needs num_speculative_tokens >= 1")
     config = SpeculativeConfig(method=method, num_speculative_tokens=k,
                                model=value.get("model"),
-                               disable_by_batch_size=_int(value, "disable_by_batch_size", None))
+                               disable_by_batch_size=_int(value, "disable_by_batch_size", None),
+                               draft_tensor_parallel_size=_int(
+                                   value, "draft_tensor_parallel_size", None))
     if method == NGRAM:
         lo = _int(value, "prompt_lookup_min", None)
         hi = _int(value, "prompt_lookup_max", None)
@@ -87,7 +88,8 @@ def parse_speculative_config(value: str | dict[str, Any] | None,
         if not 1 <= lo <= hi:
             raise ValueError("--speculative-config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {lo} and {hi}")
-        config = SpeculativeConfig(NGRAM, k, lo, hi, None, config.disable_by_batch_size)
+        config = SpeculativeConfig(NGRAM, k, lo, hi, None, config.disable_by_batch_size,
+                                   config.draft_tensor_parallel_size)
     elif method in (MTP, EAGLE3):
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if value.get(key) is not None:
@@ -99,6 +101,9 @@ def parse_speculative_config(value: str | dict[str, Any] | None,
     elif not config.model:
         raise ValueError('--speculative-config method draft_model needs "model": the '
                          "drafter's folder (same vocabulary as the target)")
+    if config.draft_tensor_parallel_size is not None and config.draft_tensor_parallel_size < 1:
+        raise ValueError("--speculative-config draft_tensor_parallel_size must be >= 1 (1, or "
+                         "the target's --tensor-parallel-size)")
     if config.disable_by_batch_size is not None and config.disable_by_batch_size < 2:
         raise ValueError("--speculative-config disable_by_batch_size must be >= 2")
     return config

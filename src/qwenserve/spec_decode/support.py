@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qwenserve.core.cache.spec import CacheSpec, RecurrentStateSpec
-from qwenserve.spec_decode.config import EAGLE3, MTP, mtp_num_layers
+from qwenserve.spec_decode.config import DRAFT_MODEL, EAGLE3, MTP, mtp_num_layers
 
 if TYPE_CHECKING:
     from qwenserve.config import EngineConfig
@@ -19,17 +19,7 @@ def check_speculative(config: EngineConfig, specs: list[CacheSpec], draft_specs:
         return
     if spec.method == MTP:
         _check_mtp(config, has_mtp_head)
-    if spec.method == EAGLE3 and config.parallel.tensor_parallel_size > 1:
-        raise ValueError("--speculative-config method eagle3 with --tensor-parallel-size > 1 is "
-                         "not implemented yet (the head runs on the driver rank only); use TP=1 "
-                         "or remove --speculative-config")
-    if (any(isinstance(s, RecurrentStateSpec) for s in specs)
-            and config.parallel.tensor_parallel_size > 1):
-        raise ValueError(
-            f"--speculative-config on {config.model.architecture} (a hybrid model with Gated "
-            "DeltaNet layers) with --tensor-parallel-size > 1 is not implemented yet: every "
-            "rank would need the accepted counts to roll its recurrent state back. Use TP=1 "
-            "or remove --speculative-config.")
+    draft_tensor_parallel_size(config)  # refuses values other than 1 or the target's TP
     draft = config.draft_model
     if draft is None:
         return
@@ -37,13 +27,30 @@ def check_speculative(config: EngineConfig, specs: list[CacheSpec], draft_specs:
         raise ValueError(f"--speculative-config model {spec.model}: a hybrid drafter "
                          f"({draft.architecture}) is not supported; use a dense model such as "
                          "Qwen3-0.6B")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("--speculative-config method draft_model with "
-                         "--tensor-parallel-size > 1 is not implemented yet; use ngram or TP=1")
     if draft.vocab_size != config.model.vocab_size:
         raise ValueError(f"--speculative-config model {spec.model} has a vocabulary of "
                          f"{draft.vocab_size} tokens, the target {config.model.vocab_size}: a "
                          "drafter must share the target's tokenizer")
+
+
+def draft_tensor_parallel_size(config: EngineConfig) -> int:
+    """How many ranks shard the drafter: the target's TP (vLLM's default), or 1 (a draft
+    model on the driver rank only). MTP and EAGLE-3 heads share the target's embedding and LM
+    head, so they are sharded like the target; n-gram lookup runs on the driver."""
+    spec, tp = config.speculative, config.parallel.tensor_parallel_size
+    assert spec is not None
+    size = spec.draft_tensor_parallel_size
+    if size is None:
+        return tp if spec.method in (MTP, EAGLE3, DRAFT_MODEL) else 1
+    if size not in (1, tp):
+        raise ValueError(f"--speculative-config draft_tensor_parallel_size={size}: use 1 or the "
+                         f"target's --tensor-parallel-size ({tp})")
+    if size != tp and spec.method in (MTP, EAGLE3):
+        raise ValueError(f"--speculative-config draft_tensor_parallel_size={size} with method "
+                         f"{spec.method}: the head shares the target's embedding and LM head, "
+                         f"so it runs with the target's --tensor-parallel-size ({tp}); remove "
+                         "draft_tensor_parallel_size")
+    return size
 
 
 def _check_mtp(config: EngineConfig, has_mtp_head: bool) -> None:
@@ -56,10 +63,6 @@ def _check_mtp(config: EngineConfig, has_mtp_head: bool) -> None:
     if layers != 1:
         raise ValueError(f"--speculative-config method mtp: mtp_num_hidden_layers={layers} is "
                          "not supported (the published Qwen3.5 / Qwen3-Next heads have 1)")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("--speculative-config method mtp with --tensor-parallel-size > 1 is "
-                         "not implemented yet (the head runs on the driver rank only); use TP=1 "
-                         "or remove --speculative-config")
     if config.load_format == "sharded_state":
         raise ValueError("--speculative-config method mtp with --load-format sharded_state is "
                          "not implemented (the saved shards hold no MTP head)")

@@ -21,11 +21,12 @@ from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.models.base import CausalLM
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.spec_decode import state_rollback
+from qwenserve.spec_decode.lockstep import DRIVER_ONLY, SpecRanks, StepTokens
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
-from qwenserve.worker.pooler import pool
+from qwenserve.worker.pooler import TokenOutputs, pool, score_tokens
 from qwenserve.worker.sampler import SampledToken, SamplingRow, prompt_logprobs, sample
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
@@ -58,7 +59,7 @@ class ModelRunner:
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
                  pooler: PoolerConfig | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, spec_ranks: SpecRanks = DRIVER_ONLY) -> None:
         self.model = model
         self.caches = caches
         self.attn_backend = backends.attention
@@ -71,7 +72,10 @@ class ModelRunner:
         # Structured outputs and thinking budgets: the driver's matchers (None on other ranks).
         self.grammars = grammars
         self.pooler = pooler  # --runner pooling: pooled outputs instead of samples
-        self.proposer = proposer  # speculative decoding (driver only)
+        self.token_outputs = TokenOutputs()  # reward pooling: outputs of prompts in progress
+        # Speculative decoding: on the driver, or on every rank when its layers are sharded.
+        self.proposer = proposer
+        self.spec_ranks = spec_ranks
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # Requests with images, and the vision tower's outputs they hold (worker/mm_inputs.py)
@@ -85,6 +89,7 @@ class ModelRunner:
                 self.encoder_cache.release_all(request_id, self.images[request_id])
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.token_outputs.drop(request_id)
             self.images.pop(request_id, None)
             if self.grammars is not None:
                 self.grammars.remove(request_id)
@@ -125,6 +130,8 @@ class ModelRunner:
             self.caches, [self.requests[c.request_id].state_slot for c in verifying],
             self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
+        if self.pooler is not None and self.pooler.kind == "reward":
+            return self._pooled_tokens(chunks, hidden)
         if self.pooler is not None:
             return self._pooled(chunks, hidden[batch.logits_indices])
         if self.proposer is not None:
@@ -132,14 +139,25 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
-        if not self.is_driver:
-            return ModelOutput()
         sampled_chunks = [c for c in chunks if c.sample]
-        output = ModelOutput(prompt_logprobs=scored)
-        emitted = self._sample(logits, sampled_chunks)
+        emitted = self._sample(logits, sampled_chunks) if self.is_driver else None
+        shared = None
+        if self.spec_ranks.must_share(saved is not None):
+            shared = self.spec_ranks.share(None if emitted is None else StepTokens(
+                [[t.token_id for t in tokens] for tokens in emitted],
+                self._draftable(sampled_chunks) if self.proposer is not None else []))
         if saved is not None:
+            counts = [len(t) - 1 for t in (emitted if emitted is not None else shared.emitted)]
             self._roll_back_states(verifying, saved, dict(zip(
-                [c.request_id for c in sampled_chunks], [len(t) - 1 for t in emitted])))
+                [c.request_id for c in sampled_chunks], counts)))
+        if not self.is_driver:
+            if self.proposer is not None:  # sharded: the same passes as the driver's
+                assert shared is not None
+                for chunk, token_ids in zip(sampled_chunks, shared.emitted, strict=True):
+                    self.requests[chunk.request_id].output_token_ids.extend(token_ids)
+                self.proposer.propose(shared.draftable, self.requests)
+            return ModelOutput()
+        output = ModelOutput(prompt_logprobs=scored)
         for chunk, tokens in zip(sampled_chunks, emitted):
             state = self.requests[chunk.request_id]
             for token in tokens:
@@ -150,8 +168,9 @@ class ModelRunner:
                 output.accepted[chunk.request_id] = tokens[:-1]
             output.sampled[chunk.request_id] = tokens[-1]
         if self.proposer is not None:
-            output.draft_token_ids = self.proposer.propose(self._draftable(sampled_chunks),
-                                                           self.requests)
+            output.draft_token_ids = self.proposer.propose(
+                shared.draftable if shared is not None else self._draftable(sampled_chunks),
+                self.requests)
         return output
 
     def _pooled(self, chunks: list[ScheduledChunk], last_hidden: torch.Tensor) -> ModelOutput:
@@ -161,6 +180,23 @@ class ModelRunner:
             return ModelOutput()
         finished = [c.request_id for c in chunks if c.sample]
         return ModelOutput(pooled=dict(zip(finished, pooled.cpu().tolist(), strict=True)))
+
+    def _pooled_tokens(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> ModelOutput:
+        """Reward pooling (vLLM's "ALL"): every token's output, gathered over a prompt's chunks
+        and sent when its last chunk ran. The score head is whole on each rank: only the
+        driver computes it."""
+        if not self.is_driver:
+            return ModelOutput()
+        out = ModelOutput()
+        row = 0
+        for c in chunks:  # rows in the batch order of _prepare
+            n = len(c.token_ids)
+            rows = score_tokens(self.model, self.pooler, hidden[row : row + n])  # [n, D]
+            self.token_outputs.add(c.request_id, c.start_pos, rows)
+            if c.sample:
+                out.pooled[c.request_id] = self.token_outputs.finish(c.request_id).cpu().tolist()
+            row += n
+        return out
 
     def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
                           num_accepted: dict[str, int]) -> None:

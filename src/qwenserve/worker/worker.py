@@ -48,9 +48,10 @@ from qwenserve.sampling_params import SamplingParams
 from qwenserve.spec_decode.config import EAGLE3, MTP
 from qwenserve.spec_decode.draft_model import DraftModelProposer
 from qwenserve.spec_decode.eagle3 import Eagle3Proposer
+from qwenserve.spec_decode.lockstep import SpecRanks
 from qwenserve.spec_decode.mtp import MtpProposer
 from qwenserve.spec_decode.proposer import NgramLookup, Proposer
-from qwenserve.spec_decode.support import check_speculative
+from qwenserve.spec_decode.support import check_speculative, draft_tensor_parallel_size
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.caches import allocate_caches
@@ -82,9 +83,11 @@ class Worker:
         self.ssm_dtype = _DTYPES[config.cache.ssm_state_dtype]
         self.specs = self.model_cls.cache_specs(config.model.hf_config, tp.world_size,
                                                 self.dtype.itemsize, self.ssm_dtype.itemsize)
-        # Speculative decoding with a draft model: its own paged KV group in the same budget.
+        # Speculative decoding with a draft model: its own paged KV group in the same budget,
+        # sharded like the target, or (draft_tensor_parallel_size 1) whole on the driver only.
         draft = config.draft_model
         self.draft_cls = load_model_class(draft.architecture) if draft is not None else None
+        self.draft_tp: ParallelGroup | None = None  # None: this rank runs no drafter
         self.draft_specs = [] if draft is None else self.draft_cls.cache_specs(
             draft.hf_config, tp.world_size, self.dtype.itemsize)
         self.draft_model: CausalLM | None = None
@@ -92,6 +95,11 @@ class Worker:
         self.use_mtp = config.speculative is not None and config.speculative.method == MTP
         check_speculative(config, self.specs, self.draft_specs,
                           hasattr(self.model_cls, "make_mtp_head"))
+        if draft is not None:
+            sharded = draft_tensor_parallel_size(config) == tp.world_size
+            self.draft_tp = tp if sharded else SINGLE if tp.is_driver else None
+            self.draft_specs = [] if self.draft_tp is None else self.draft_cls.cache_specs(
+                draft.hf_config, self.draft_tp.world_size, self.dtype.itemsize)
         if self.use_mtp:
             self.specs = self.specs + self.model_cls.mtp_cache_specs(
                 config.model.hf_config, tp.world_size, self.dtype.itemsize)
@@ -113,9 +121,9 @@ class Worker:
     def load_model(self) -> None:
         start = time.perf_counter()
         self._model = self._load(self.config.model, self.model_cls, self._quant())
-        if self.draft_cls is not None:
+        if self.draft_cls is not None and self.draft_tp is not None:
             self.draft_model = self._load(self.config.draft_model, self.draft_cls, None,
-                                          is_draft=True)
+                                          draft_tp=self.draft_tp)
         if self.use_mtp:
             self.mtp_head = self._load_mtp_head()
         if self.eagle3 is not None:
@@ -129,11 +137,12 @@ class Worker:
         return self._model
 
     def _load(self, mc: ModelConfig, model_cls: ModelClass, quant: QuantConfig | None,
-              is_draft: bool = False) -> CausalLM:
-        """The target model, or (``is_draft``) a speculative-decoding drafter: its own plain
-        checkpoint, never pooled nor per-rank sharded."""
+              draft_tp: ParallelGroup | None = None) -> CausalLM:
+        """The target model, or (``draft_tp``: its group) a speculative-decoding drafter: its
+        own plain checkpoint, never pooled nor loaded from per-rank shards."""
+        is_draft = draft_tp is not None
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
-                           max_model_len=mc.max_model_len, tp=self.tp,
+                           max_model_len=mc.max_model_len, tp=draft_tp or self.tp,
                            backends=self.backends, quant=quant,
                            ssm_dtype=self.ssm_dtype,
                            expert_parallel=self.config.parallel.enable_expert_parallel,
@@ -143,7 +152,7 @@ class Worker:
                 model = model_cls(ctx)
             weights = iter_weights(mc.source, mc.hf_config)
             if not is_draft and self.config.pooler is not None \
-                    and self.config.pooler.kind == "embed":
+                    and self.config.pooler.hidden_states_only:
                 model.lm_head = None  # an embedding model has no use (and often no weights)
                 weights = embedding_checkpoint_names(weights)
             if self.config.load_format == "dummy":
@@ -279,7 +288,7 @@ class Worker:
         self.runner = ModelRunner(self.model, caches, self.backends, plan.block_size,
                                   self.device, self.tp.is_driver, self.config.seed,
                                   self.has_state, grammars, self.config.pooler,
-                                  self._proposer(plan, caches))
+                                  self._proposer(plan, caches), self._spec_ranks())
         if self.config.kv_transfer is not None:
             self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
                                             self.tp,
@@ -290,9 +299,16 @@ class Worker:
         """Whether the model has recurrent-state layers (the runner builds their metadata)."""
         return any(isinstance(s, RecurrentStateSpec) for s in self.specs)
 
+    def _spec_ranks(self) -> SpecRanks:
+        """Sharded drafters (MTP and EAGLE-3 heads, a draft model at the target's TP) run on
+        every rank in lock-step; n-gram lookup and a TP=1 draft model on the driver only."""
+        every_rank = self.use_mtp or self.eagle3 is not None or (
+            self.draft_tp is not None and self.draft_tp.world_size > 1)
+        return SpecRanks(self.tp, every_rank)
+
     def _proposer(self, plan: CachePlan, caches: ModelCaches) -> Proposer | None:
         spec = self.config.speculative
-        if spec is None or not self.tp.is_driver:
+        if spec is None or not (self.tp.is_driver or self._spec_ranks().every_rank):
             return None
         if self.eagle3 is not None:
             return Eagle3Proposer(self.mtp_head, self.model.model, caches,

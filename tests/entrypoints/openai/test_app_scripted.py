@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from qwenserve.entrypoints.openai.api_server import _build_app
+from qwenserve.entrypoints.openai.api_server import build_server_app
 from qwenserve.entrypoints.openai.cli_args import make_serve_parser
 from qwenserve.entrypoints.openai.serving_common import ServerState, ServingOptions
 from qwenserve.metrics.prometheus import make_registry
@@ -88,7 +88,7 @@ def client(monkeypatch):
     options = ServingOptions(
         ["qwen3"], reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True
     )
-    app = _build_app(
+    app = build_server_app(
         args,
         ServerState(ScriptedEngine(build_tokenizer()), options),
         make_registry(process_metrics=False),
@@ -173,7 +173,7 @@ def _defaults_app(generation_defaults: dict, **options):
     engine = ScriptedEngine(build_tokenizer(), generation_defaults)
     args = make_serve_parser().parse_args([])
     state = ServerState(engine, ServingOptions(["m"], **options))
-    app = _build_app(args, state, make_registry(process_metrics=False))
+    app = build_server_app(args, state, make_registry(process_metrics=False))
 
     def call(**kwargs):
         async def post():
@@ -214,7 +214,7 @@ def test_vllm_api_key_env_is_honoured(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
     args = make_serve_parser().parse_args([])
     state = ServerState(ScriptedEngine(build_tokenizer()), ServingOptions(["m"]))
-    app = _build_app(args, state, make_registry(process_metrics=False))
+    app = build_server_app(args, state, make_registry(process_metrics=False))
 
     async def status(key):
         transport = httpx.ASGITransport(app=app)
@@ -233,7 +233,7 @@ def test_request_id_headers():
 
     def app_for(argv):
         state = ServerState(ScriptedEngine(build_tokenizer()), ServingOptions(["m"]))
-        return _build_app(
+        return build_server_app(
             make_serve_parser().parse_args(argv), state, make_registry(process_metrics=False)
         )
 
@@ -259,7 +259,7 @@ class FailingEngine(ScriptedEngine):
 
 def _raw_app(engine) -> httpx.AsyncClient:
     args = make_serve_parser().parse_args([])
-    app = _build_app(args, ServerState(engine, ServingOptions(["qwen3"])), make_registry(False))
+    app = build_server_app(args, ServerState(engine, ServingOptions(["qwen3"])), make_registry(False))
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     return httpx.AsyncClient(transport=transport, base_url="http://test")
 

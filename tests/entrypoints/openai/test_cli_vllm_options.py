@@ -103,7 +103,13 @@ def test_data_parallel_layouts_and_refusals():
     assert "--speculative-config" in refusal(["-dp", "2", "--enable-expert-parallel",
                                               "--speculative-config",
                                               '{"method": "ngram", "num_speculative_tokens": 2}'])
-    assert "--api-server-count 2" in refusal(["--api-server-count", "2"])
+    assert parse(["--api-server-count", "2", "-dp", "2"]).api_server_count == 2
+    assert "--headless" in refusal(["--api-server-count", "2", "--headless", "-dp", "2",
+                                    "-dpr", "1"])
+    assert "--kv-transfer-config" in refusal(["--api-server-count", "2", "--kv-transfer-config",
+                                              '{"kv_connector": "MooncakeConnectorV1", '
+                                              '"kv_role": "kv_producer"}'])
+    assert "--api-server-count 0" in refusal(["--api-server-count", "0"])
     assert "--data-parallel-start-rank" in refusal(["--headless", "-dp", "2"])
     assert "--headless" in refusal(["-dp", "2", "--data-parallel-start-rank", "1"])
     assert "must be 1..1" in refusal(["--headless", "-dp", "2", "-dpl", "2", "-dpr", "1"])

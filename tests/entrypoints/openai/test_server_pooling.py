@@ -120,6 +120,24 @@ def test_embedding_model_scores_by_cosine_similarity(embedder):
         [float(vecs[0] @ vecs[0]), float(vecs[0] @ vecs[1])], abs=1e-4)
 
 
+def test_generic_pooling_route_on_embedding_and_reranker(embedder, reranker):
+    """vLLM's /pooling serves these models too: the embedding (normalized unless
+    use_activation is false) and the reranker's [score]."""
+    path, emb = embedder
+    raw = hf_embeddings(path, TEXTS[:1])[0]
+    body = emb.post("/pooling", json={"input": TEXTS[0]}).json()
+    torch.testing.assert_close(torch.tensor(body["data"][0]["data"]),
+                               torch.nn.functional.normalize(raw, dim=0), atol=1e-4, rtol=1e-4)
+    body = emb.post("/pooling", json={"input": TEXTS[0], "use_activation": False}).json()
+    torch.testing.assert_close(torch.tensor(body["data"][0]["data"]), raw, atol=1e-4, rtol=1e-4)
+    r = emb.post("/pooling", json={"input": "hi", "task": "token_classify"})
+    assert r.status_code == 400 and "Supported tasks: ['embed']" in r.text
+    _, rr = reranker
+    ids = rr.post("/tokenize", json={"prompt": "hi"}).json()["tokens"]
+    score = rr.post("/pooling", json={"input": ids}).json()["data"][0]["data"]
+    assert len(score) == 1 and 0 < score[0] < 1
+
+
 def test_pooling_routes_go_through_the_admission_caps(embedder, reranker):
     """Each prompt is one sequence: over --max-sequences-per-request is a 400, past what may
     run (--max-num-seqs 2) plus wait (--max-queued-sequences 1) a 429; refused and finished

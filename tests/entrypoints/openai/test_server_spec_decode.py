@@ -77,3 +77,36 @@ def test_mtp_server_greedy_equal_and_metrics(tiny_model, tmp_path):
         assert drafts and drafts[0] > 0
     finally:
         srv.stop()
+
+
+def test_mtp_server_at_tp2_streams_chat(tiny_model, tmp_path):
+    """vLLM Ascend's Qwen3.5 form at TP=2: ``--tensor-parallel-size 2 --speculative-config
+    '{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}'``; the MTP head runs sharded on
+    both ranks. A streamed chat through the official client gives the text of the offline
+    engine at TP=1 without speculation, and the drafts are counted."""
+    from helpers.tiny_models import add_mtp_head
+
+    path = add_mtp_head(tiny_model("qwen3_5", mtp_num_hidden_layers=1))
+    spec = {"method": "qwen3_5_mtp", "num_speculative_tokens": 2}
+    messages = [{"role": "user", "content": "Say something about the sea and the sky."}]
+    llm = LLM(path, dtype="float32", max_model_len=256)
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    llm.llm_engine.shutdown()
+    srv = RemoteServer([path, "--dtype", "float32", "--max-model-len", "256",
+                        "--kv-cache-memory-bytes", "16M", "--tensor-parallel-size", "2",
+                        "--speculative-config", json.dumps(spec),
+                        "--disable-uvicorn-access-log"], tmp_path / "serve.log",
+                       env={"OMP_NUM_THREADS": "1"})
+    try:
+        client = srv.client()
+        stream = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=messages, max_tokens=24,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert "".join(chunks) == expected[0].outputs[0].text
+        metrics = srv.get("/metrics").text
+        drafts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:spec_decode_num_drafts_total")]
+        assert drafts and drafts[0] > 0
+    finally:
+        srv.stop()

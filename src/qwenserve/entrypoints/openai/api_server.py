@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from qwenserve.engine.arg_utils import EngineArgs
     from qwenserve.engine.async_engine import AsyncEngine
+    from qwenserve.engine.core_client import CoreClient
     from qwenserve.entrypoints.openai.http_protocol import TimedH11Protocol
     from qwenserve.entrypoints.openai.serving_common import ServerState, ServingOptions
 
@@ -106,9 +107,10 @@ def _log_notes(args: argparse.Namespace) -> None:
         logger.info("--enforce-eager: qwenserve always runs eagerly (no graphs, no compile)")
 
 
-def create_server_state(args: argparse.Namespace
+def create_server_state(args: argparse.Namespace, core: CoreClient | None = None
                         ) -> tuple[AsyncEngine, ServerState, CollectorRegistry]:
-    """Load the engine; returns (AsyncEngine, ServerState, registry)."""
+    """Load the engine, or attach to it through ``core`` (an API process of several, whose
+    launcher runs the engine); returns (AsyncEngine, ServerState, registry)."""
     from qwenserve.engine.async_engine import AsyncEngine
     from qwenserve.entrypoints.openai.cli_data_parallel import data_parallel_config
     from qwenserve.entrypoints.openai.serving_common import ServerState
@@ -118,8 +120,11 @@ def create_server_state(args: argparse.Namespace
     deferred = _DeferredStatLogger()
     log_line = None if args.disable_log_stats else LoggingStatLogger()
     loggers: list[Any] = [deferred] if log_line is None else [deferred, log_line]
-    engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers,
-                                          data_parallel=data_parallel_config(args))
+    if core is not None:
+        engine = AsyncEngine(core, loggers)
+    else:
+        engine = AsyncEngine.from_engine_args(build_engine_args(args), stat_loggers=loggers,
+                                              data_parallel=data_parallel_config(args))
     config = engine.config
     options = _options(args, config.model.name)
     root = getattr(config.model.source, "gguf_file", None) or config.model.source.folder
@@ -148,7 +153,7 @@ def create_server_state(args: argparse.Namespace
     return engine, state, registry
 
 
-def _log_summary(state: ServerState, engine: AsyncEngine, host: str, port: int, scheme: str) -> None:
+def log_summary(state: ServerState, engine: AsyncEngine, host: str, port: int, scheme: str) -> None:
     config, plan = engine.config, engine.plan
     mc = config.model
     engines = engine.engine_indexes
@@ -205,6 +210,10 @@ def run_server(args: argparse.Namespace) -> int:
         )
         return 1
     _log_notes(args)
+    if (args.api_server_count or 1) > 1:
+        from qwenserve.entrypoints.openai.multi_api_server import run_multi_api_server
+
+        return run_multi_api_server(args, sock)
     try:
         from qwenserve.entrypoints.chat_utils import load_chat_template
 
@@ -216,8 +225,8 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         return 1
     try:
-        app = _build_app(args, state, registry)
-        _log_summary(state, engine, host, args.port, "https" if args.ssl_certfile else "http")
+        app = build_server_app(args, state, registry)
+        log_summary(state, engine, host, args.port, "https" if args.ssl_certfile else "http")
         engine_died = serve(app, sock, args, state)
     finally:
         logger.info("Shutting down the engine")
@@ -225,7 +234,7 @@ def run_server(args: argparse.Namespace) -> int:
     return 1 if engine_died else 0
 
 
-def _build_app(args: argparse.Namespace, state: ServerState,
+def build_server_app(args: argparse.Namespace, state: ServerState,
                registry: CollectorRegistry) -> FastAPI:
     from qwenserve.entrypoints.openai.app import build_app
 

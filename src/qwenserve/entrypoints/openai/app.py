@@ -21,6 +21,7 @@ from qwenserve.entrypoints.openai import (
     serving_completion,
     serving_models,
     serving_pooling,
+    serving_pooling_any,
 )
 from qwenserve.entrypoints.openai.errors import OpenAIError, error_body, internal_error
 from qwenserve.entrypoints.openai.middleware import (
@@ -88,9 +89,11 @@ async def version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+    from qwenserve.metrics.prometheus import exposition
+
+    return Response(exposition(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")
@@ -264,6 +267,7 @@ def build_app(
     app.state.registry = registry
     app.include_router(router)
     app.include_router(serving_pooling.router)  # /v1/embeddings, /score, /rerank
+    app.include_router(serving_pooling_any.router)  # /pooling
     if dev_mode:
         app.include_router(dev_router)
     _install_error_handlers(app)

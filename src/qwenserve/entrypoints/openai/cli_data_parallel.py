@@ -3,8 +3,8 @@
 
 ``--enable-expert-parallel`` with more than one rank makes the replicas one MoE group stepping
 together (``engine/dp_lockstep.py``), on one node or several (the group's store on the head at
-``--data-parallel-address``, port ``--data-parallel-rpc-port`` + 1). ``--api-server-count`` above 1 is refused (each
-engine answers one API process).
+``--data-parallel-address``, port ``--data-parallel-rpc-port`` + 1). ``--api-server-count`` above 1
+runs that many API processes on the port and the engines (``multi_api_server.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def add_data_parallel_flags(group: AddsArguments) -> None:
     group.add_argument("--headless", action=BOOL, default=None,
                        help="Run this node's replicas for a head node, without an API server.")
     group.add_argument("--api-server-count", "-asc", type=int, default=None,
-                       help="API server processes (1: qwenserve runs one).")
+                       help="API server processes sharing the port and the engine(s).")
 
 
 def data_parallel_config(ns: argparse.Namespace) -> DataParallelConfig:
@@ -64,13 +64,9 @@ def data_parallel_config(ns: argparse.Namespace) -> DataParallelConfig:
 
 def data_parallel_problem(ns: argparse.Namespace) -> str | None:
     """The first problem with the data-parallel flags, worded with the fix; None if usable."""
-    count = getattr(ns, "api_server_count", None)
-    if count not in (None, 1):
-        return (f"--api-server-count {count}: qwenserve runs one API server process per head; "
-                "each engine sends its outputs to that one process, and the load balancer's "
-                "state (requests in flight, prefixes) lives there. Remove it (one API process "
-                "serves thousands of streams), or run several servers behind a load balancer "
-                "(`qwenserve deploy nginx|haproxy`)")
+    problem = _api_server_count_problem(ns)
+    if problem is not None:
+        return problem
     size = ns.data_parallel_size
     if size is not None and size < 1:
         return f"--data-parallel-size {size}: must be >= 1"
@@ -107,6 +103,21 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
         return (f"--data-parallel-start-rank {start} without --headless: the head node runs "
                 "rank 0 onwards; start the other nodes with --headless")
     return _log_single(ns, size)
+
+
+def _api_server_count_problem(ns: argparse.Namespace) -> str | None:
+    """N > 1 API processes share the port and one engine hub (``multi_api_server.py``)."""
+    count = getattr(ns, "api_server_count", None)
+    if count is None or count == 1:
+        return None
+    if count < 1:
+        return f"--api-server-count {count}: must be >= 1"
+    if ns.headless:
+        return f"--api-server-count {count} with --headless: a headless node runs no API server"
+    if getattr(ns, "kv_transfer_config", None):
+        return (f"--api-server-count {count} with --kv-transfer-config: prefill/decode "
+                "disaggregation runs one API process per server; drop --api-server-count")
+    return None
 
 
 def _expert_parallel_problem(ns: argparse.Namespace, size: int) -> str | None:

@@ -27,6 +27,7 @@ from qwenserve.entrypoints.openai.errors import bad_request, from_value_error
 from qwenserve.entrypoints.openai.protocol import OpenAIBaseModel
 from qwenserve.entrypoints.openai.serving_common import ServerState, engine_error
 from qwenserve.entrypoints.openai.streaming import merge_async_iterators
+from qwenserve.outputs import PooledData
 from qwenserve.pooling import embedding, pooling_params, relevance
 
 router = APIRouter()
@@ -61,8 +62,10 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def _pooled(state: ServerState, prompts: list[list[int]], prefix: str) -> list[list[float]]:
-    """Run the prompts through the pooling engine concurrently; their pooled outputs in order."""
+async def run_pooled(state: ServerState, prompts: list[list[int]], prefix: str
+                     ) -> list[PooledData]:
+    """Run the prompts through the pooling engine concurrently; their pooled outputs in order
+    (one vector each, or one row per token for a reward model)."""
     for ids in prompts:
         state.check_prompt_ids(ids)
     _, engine_id = state.request_ids(prefix, None)
@@ -70,7 +73,7 @@ async def _pooled(state: ServerState, prompts: list[list[int]], prefix: str) -> 
     state.admission.check(len(prompts))  # (no await between the check and the reservations)
     gens = [state.admission.admit(state.engine.generate(ids, params, f"{engine_id}-{i}"), 1)
             for i, ids in enumerate(prompts)]
-    results: list[list[float] | None] = [None] * len(prompts)
+    results: list[PooledData | None] = [None] * len(prompts)
     try:
         async for i, out in merge_async_iterators(*gens):
             if out.finished:
@@ -82,7 +85,7 @@ async def _pooled(state: ServerState, prompts: list[list[int]], prefix: str) -> 
     return [r for r in results if r is not None]
 
 
-def _truncate(ids: list[int], keep: int | None, state: ServerState) -> list[int]:
+def truncate_ids(ids: list[int], keep: int | None, state: ServerState) -> list[int]:
     if keep is None:
         return ids
     keep = state.max_model_len if keep == -1 else keep
@@ -91,13 +94,13 @@ def _truncate(ids: list[int], keep: int | None, state: ServerState) -> list[int]
     return ids[-keep:]
 
 
-def _tokenized(state: ServerState, items: list[str | list[int]], keep: int | None
+def tokenized_prompts(state: ServerState, items: list[str | list[int]], keep: int | None
                ) -> list[list[int]]:
     """Texts (length-checked before tokenizing) or token ids -> truncated prompts (CPU pool)."""
     for x in items:
         if isinstance(x, str):
             state.check_prompt_chars(x, "input")
-    return [_truncate(state.tokenizer.encode(x) if isinstance(x, str) else list(x), keep, state)
+    return [truncate_ids(state.tokenizer.encode(x) if isinstance(x, str) else list(x), keep, state)
             for x in items]
 
 
@@ -107,20 +110,23 @@ def _pair_prompts(state: ServerState, pairs: list[tuple[str, str]], keep: int | 
     for pair in pairs:
         for text in pair:
             state.check_prompt_chars(text, "documents")
-    return [_truncate(state.tokenizer(text=q, text_pair=d)["input_ids"], keep, state)
+    return [truncate_ids(state.tokenizer(text=q, text_pair=d)["input_ids"], keep, state)
             for q, d in pairs]
 
 
-def _usage(prompts: list[list[int]]) -> dict[str, int]:
+def pooling_usage(prompts: list[list[int]]) -> dict[str, int]:
     tokens = sum(map(len, prompts))
     return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
 
 
-def _require(state: ServerState, kind: str, route: str) -> None:
+def require_pooler(state: ServerState, kind: str, route: str) -> None:
     pooler = state.engine.config.pooler
     if pooler is None:
-        raise bad_request(f"{route} needs a pooling model: serve an embedding or reranker model "
-                          "with --runner pooling")
+        raise bad_request(f"{route} needs a pooling model: serve an embedding, reranker or "
+                          "reward model with --runner pooling")
+    if pooler.kind == "reward" and kind != "reward":
+        raise bad_request(f"{route}: this is a reward model, which scores every token; use "
+                          "/pooling")
     if kind == "embed" and pooler.kind != "embed":
         raise bad_request(f"{route}: this is a scoring (reranker) model; use /score or /rerank")
 
@@ -128,7 +134,7 @@ def _require(state: ServerState, kind: str, route: str) -> None:
 @router.post("/v1/embeddings")
 async def create_embedding(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
-    _require(state, "embed", "/v1/embeddings")
+    require_pooler(state, "embed", "/v1/embeddings")
     name = state.check_model(body.model)
     if body.encoding_format not in ("float", "base64"):
         raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
@@ -137,8 +143,8 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> dict[str
     if not items:
         raise bad_request("input must not be empty", "input")
     state.admission.check(len(items))  # before paying for tokenizing
-    prompts = await state.offload(_tokenized, state, items, body.truncate_prompt_tokens)
-    pooled = await _pooled(state, prompts, "embd")
+    prompts = await state.offload(tokenized_prompts, state, items, body.truncate_prompt_tokens)
+    pooled = await run_pooled(state, prompts, "embd")
     try:
         vectors = [embedding(p, body.dimensions, body.normalize) for p in pooled]
     except ValueError as e:
@@ -146,13 +152,19 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> dict[str
     data = [{"index": i, "object": "embedding", "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": name, "data": data, "usage": _usage(prompts)}
+            "model": name, "data": data, "usage": pooling_usage(prompts)}
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vector
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return encode_base64(vector)
+
+
+def encode_base64(values: list[float], byte_order: str = "<", fmt: str = "f") -> str:
+    """float32 (``fmt`` "f"; "e": float16) values, a vector or a matrix's rows flattened, as
+    base64: OpenAI's encoding."""
+    return base64.b64encode(struct.pack(f"{byte_order}{len(values)}{fmt}", *values)).decode()
 
 
 async def _scores(state: ServerState, pairs: list[tuple[str, str]], truncate: int | None,
@@ -162,11 +174,11 @@ async def _scores(state: ServerState, pairs: list[tuple[str, str]], truncate: in
     if pooler.kind == "classify":
         state.admission.check(len(pairs))  # before paying for tokenizing
         prompts = await state.offload(_pair_prompts, state, pairs, truncate)
-        return [relevance(p) for p in await _pooled(state, prompts, prefix)], prompts
+        return [relevance(p) for p in await run_pooled(state, prompts, prefix)], prompts
     texts = list(dict.fromkeys([t for pair in pairs for t in pair]))
     state.admission.check(len(texts))
-    prompts = await state.offload(_tokenized, state, texts, truncate)
-    vectors = dict(zip(texts, (embedding(p) for p in await _pooled(state, prompts, prefix)),
+    prompts = await state.offload(tokenized_prompts, state, texts, truncate)
+    vectors = dict(zip(texts, (embedding(p) for p in await run_pooled(state, prompts, prefix)),
                        strict=True))
     return [math.fsum(a * b for a, b in zip(vectors[q], vectors[d], strict=True))
             for q, d in pairs], prompts
@@ -189,12 +201,12 @@ def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, 
 @router.post("/v1/score")
 async def create_score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
-    _require(state, "score", "/score")
+    require_pooler(state, "score", "/score")
     name = state.check_model(body.model)
     scores, prompts = await _scores(state, _pairs(body.text_1, body.text_2),
                                     body.truncate_prompt_tokens, "score")
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": name, "usage": _usage(prompts),
+            "model": name, "usage": pooling_usage(prompts),
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]}
 
 
@@ -202,7 +214,7 @@ async def create_score(body: ScoreRequest, request: Request) -> dict[str, Any]:
 @router.post("/v1/rerank")
 async def create_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
-    _require(state, "score", "/rerank")
+    require_pooler(state, "score", "/rerank")
     name = state.check_model(body.model)
     if body.top_n is not None and body.top_n < 1:
         raise bad_request("top_n must be >= 1", "top_n")

@@ -88,16 +88,17 @@ def check_model_quantization(ctx: DoctorContext) -> Check:
         raw = None
     if not isinstance(raw, dict):
         return skip("model_quantization", "no readable config.json")
-    from qwenserve.quantization.schemes import detect
+    from qwenserve.quantization.schemes import detect, experts_quantized
 
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     config = SimpleNamespace(
         quantization_config=raw.get("quantization_config", text.get("quantization_config")),
         _name_or_path=str(model_dir),
         num_experts=text.get("num_experts", 0),
+        shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
     )
     try:
-        method, _ = detect(config)
+        method, quant_config = detect(config)
     except (ValueError, OSError) as e:
         return fail(
             "model_quantization",
@@ -110,7 +111,10 @@ def check_model_quantization(ctx: DoctorContext) -> Check:
         "compressed-tensors": "compressed-tensors INT8 W8A8",
         "ascend": "ModelSlim W8A8",
     }
-    return passed("model_quantization", found.get(method, str(method)))
+    reason = found.get(method, str(method))
+    if config.num_experts and experts_quantized(method, quant_config):
+        reason += ", MoE experts INT8 (per-token dynamic activations)"
+    return passed("model_quantization", reason)
 
 
 def check_model_index(ctx: DoctorContext) -> Check:

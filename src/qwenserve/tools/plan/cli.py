@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-concurrency", type=float, default=1.0,
                         help="sequences of --max-model-len tokens that must fit at once")
     parser.add_argument("--speculative-config", default=None,
-                        help="serve's flag; method mtp adds the checkpoint's MTP head (weights "
-                        "and one paged KV layer) to the plan")
+                        help="serve's flag; methods mtp and eagle3 add the head (its weights, "
+                        "sharded per rank like the target's, and one paged KV layer) to the "
+                        "plan")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -72,7 +73,12 @@ def run(args: argparse.Namespace) -> int:
 
 def make_report(args: argparse.Namespace) -> dict:
     from qwenserve.models.model_config import resolve_max_model_len
-    from qwenserve.spec_decode.config import MTP, mtp_num_layers, parse_speculative_config
+    from qwenserve.spec_decode.config import (
+        EAGLE3,
+        MTP,
+        mtp_num_layers,
+        parse_speculative_config,
+    )
     from qwenserve.tools.plan.model import load_config
     from qwenserve.tools.plan.quant import checkpoint_quantization, qwenserve_problem
 
@@ -88,13 +94,18 @@ def make_report(args: argparse.Namespace) -> dict:
     speculative = parse_speculative_config(getattr(args, "speculative_config", None),
                                            mtp_num_layers(hf_config))
     mtp = speculative is not None and speculative.method == MTP
+    eagle3 = None
+    if speculative is not None and speculative.method == EAGLE3:
+        from qwenserve.models.eagle3 import load_eagle3_config
+
+        eagle3 = load_eagle3_config(speculative.model, hf_config).hf_config
 
     def inputs(tp: int) -> PlanInputs:
         return PlanInputs(hf_config, model.architecture, dtype, tp, max_len, args.max_num_seqs,
                           args.max_num_batched_tokens, block_size, quant,
                           KV_DTYPE_BYTES[args.kv_cache_dtype],
                           SSM_DTYPE_BYTES[args.mamba_ssm_cache_dtype],
-                          args.enable_expert_parallel, mtp)
+                          args.enable_expert_parallel, mtp, eagle3)
 
     plans = _plans(args, hf_config, inputs, _budget_function(args, device))
     chosen = _choose(plans, args.target_concurrency, max_len)
@@ -205,6 +216,7 @@ def _plan_dict(p: RankPlan, max_len: int) -> dict:
            "state_bytes_per_sequence": p.state_bytes_per_seq,
            "activation_reserve_bytes": p.activation_bytes,
            "vision_weight_bytes": p.details.get("vision", 0),
+           "speculative_head_weight_bytes": p.details.get("speculative_head", 0),
            "kv_cache_budget_bytes": p.budget_bytes,
            "largest_max_model_len": p.largest_max_model_len, "error": p.error}
     if p.cache is not None:

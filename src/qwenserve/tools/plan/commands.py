@@ -102,26 +102,9 @@ def _qwenserve(c: CommandInputs, flags: list[str], out: Commands) -> None:
             "(--kv-cache-dtype is vLLM's only); plan without it for qwenserve"
         )
         return
-    head = _speculative_head(c.args)
-    if c.tp > 1 and head is not None:
-        out.notes.append(f"no qwenserve command: {head} speculative decoding runs with "
-                         "--tensor-parallel-size 1 only in qwenserve")
-        return
-    if head == "EAGLE-3":
-        out.notes.append("the EAGLE-3 head's weights and its KV layer (one more attention "
-                         "layer's K/V per token) are not counted in this plan: leave room")
     if c.args.quantization == "int8":
         flags += ["--quantization", "int8"]
     out.qwenserve = _line("qwenserve", c.args.model, flags)
-
-
-def _speculative_head(args: argparse.Namespace) -> str | None:
-    """"MTP" or "EAGLE-3" when ``--speculative-config`` runs a head (TP=1 only), else None."""
-    from qwenserve.spec_decode.config import EAGLE3, MTP, parse_speculative_config
-
-    spec = parse_speculative_config(getattr(args, "speculative_config", None))
-    method = spec.method if spec is not None else None
-    return {MTP: "MTP", EAGLE3: "EAGLE-3"}.get(method) if method else None
 
 
 def _vllm(c: CommandInputs, flags: list[str], out: Commands) -> None:

@@ -37,6 +37,7 @@ class PlanInputs:
     ssm_dtype_bytes: int = 4  # --mamba-ssm-cache-dtype
     expert_parallel: bool = False  # --enable-expert-parallel: rank 0 holds the most experts
     mtp: bool = False  # --speculative-config method mtp: the head's weights and KV layer
+    eagle3: Any = None  # method eagle3: the head's config (its weights and KV layer)
 
 
 @dataclass
@@ -69,6 +70,11 @@ def cache_specs(inputs: PlanInputs) -> list[CacheSpec]:
             raise ValueError(f"--speculative-config method mtp: {inputs.architecture} has no "
                              "multi-token-prediction head in qwenserve")
         specs = specs + model_cls.mtp_cache_specs(inputs.hf_config, inputs.tp, model_bytes)
+    if inputs.eagle3 is not None:  # the EAGLE-3 head's attention, likewise
+        from qwenserve.models.eagle3 import eagle3_cache_spec
+
+        specs = specs + [eagle3_cache_spec(inputs.eagle3, inputs.hf_config.num_hidden_layers,
+                                           inputs.tp, model_bytes)]
     kv_bytes = inputs.kv_dtype_bytes or model_bytes
     return [replace(s, dtype_bytes=kv_bytes) if isinstance(s, PagedKVSpec) else s for s in specs]
 
@@ -91,7 +97,7 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
                        expert_parallel=inputs.expert_parallel)
     with torch.device("meta"):
         model = load_model_class(inputs.architecture)(ctx)
-        head = model.make_mtp_head(ctx) if inputs.mtp else None
+        head = _speculative_head(inputs, ctx, model)
     # Linear weight matrices take the quantized width; norms and MoE routers stay in the model
     # dtype. Load-time int8 is the engine's own: MoE experts stay float, the embedding and
     # lm_head tables become int8. Checkpoint formats (w8a8, fp8, awq, gptq) quantize experts.
@@ -109,13 +115,20 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
     width = QUANT_WIDTHS.get(inputs.quantization)
     overhead = QUANT_GROUP_OVERHEAD.get(inputs.quantization, 0.0)
     seen: set[int] = set()
-    totals = {"linear": 0, "other": 0, "scales": 0, "vision": 0}
+    totals = {"linear": 0, "other": 0, "scales": 0, "vision": 0, "speculative_head": 0}
+    # The head's own tensors, unquantized as the engine loads them (shared ones count once,
+    # with the target's).
+    head_tensors = set() if head is None else {
+        id(t) for t in [*head.parameters(), *head.buffers()]} - {
+        id(t) for t in [*model.parameters(), *model.buffers()]}
     modules = [model] + ([head] if head is not None else [])
     for tensor in [t for m in modules for t in [*m.parameters(), *m.buffers()]]:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        if id(tensor) in vision:
+        if id(tensor) in head_tensors:
+            totals["speculative_head"] += tensor.numel() * tensor.element_size()
+        elif id(tensor) in vision:
             totals["vision"] += tensor.numel() * tensor.element_size()
         elif id(tensor) in quantizable:
             if width is None:
@@ -126,6 +139,20 @@ def weight_bytes(inputs: PlanInputs) -> tuple[int, dict]:
         else:
             totals["other"] += tensor.numel() * tensor.element_size()
     return sum(totals.values()), totals
+
+
+def _speculative_head(inputs: PlanInputs, ctx: Any, model: Any) -> Any:
+    """The MTP or EAGLE-3 head as the engine builds it: sharded over ``inputs.tp`` ranks like
+    the target (one rank's share)."""
+    if inputs.mtp:
+        return model.make_mtp_head(ctx)
+    if inputs.eagle3 is None:
+        return None
+    from qwenserve.models.eagle3 import Eagle3Head
+
+    head_ctx = replace(ctx, hf_config=inputs.eagle3)
+    return Eagle3Head(head_ctx, model.model, inputs.hf_config.num_hidden_layers,
+                      inputs.hf_config.hidden_size)
 
 
 def activation_bytes(inputs: PlanInputs) -> int:

@@ -30,6 +30,10 @@ def render(report: dict) -> str:
             f"{_gib(max(p['kv_cache_budget_bytes'], 0)):>11} "
             f"{p.get('kv_token_capacity', 0):>11,} {p.get('max_concurrency', 0):>9.2f} "
             f"{p['largest_max_model_len']:>12,}")
+    head = {p["tp"]: p.get("speculative_head_weight_bytes", 0) for p in report["plans"]}
+    if any(head.values()):
+        lines.append("Speculative head per device (in weights/dev; its KV layer in KV B/token): "
+                     + ", ".join(f"TP={tp} {_gib(b)}" for tp, b in head.items()))
     lines.append("")
     if report["fits"]:
         lines += [f"Fits with --tensor-parallel-size {report['chosen_tp']}.", ""]
