@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from qwenserve.layers.attention import AttentionBackend, get_attention_backend
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
+from qwenserve.native import kernels as native_kernels
 from qwenserve.quantization.kernels import Int8Matmul
 
 if TYPE_CHECKING:
@@ -41,6 +42,16 @@ class ElementwiseKernels(Protocol):
                cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None: ...
 
 
+def get_elementwise_kernels(name: str) -> ElementwiseKernels | None:
+    """The fused elementwise kernels called ``name``: None for ``torch_ref`` and where the
+    native ones cannot be built (no compiler, ``QWENSERVE_NATIVE=0``: logged once)."""
+    if name == "torch_ref":
+        return None
+    if name == "cpu_native":
+        return native_kernels.elementwise()
+    raise ValueError(f"unknown elementwise backend {name!r}; known: torch_ref, cpu_native")
+
+
 @dataclass(frozen=True)
 class Backends:
     attention: AttentionBackend  # paged attention layers
@@ -57,7 +68,7 @@ class Backends:
             recurrent=get_recurrent_backend(platform.default_recurrent_backend),
             float_linear=platform.float_linear() or F.linear,
             int8_mm=Int8Matmul(platform),
-            elementwise=platform.elementwise_kernels(),
+            elementwise=get_elementwise_kernels(platform.default_elementwise_backend),
         )
 
     @classmethod

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
-
-if TYPE_CHECKING:
-    from qwenserve.layers.backends import ElementwiseKernels
 
 
 class Platform(ABC):
@@ -23,6 +20,9 @@ class Platform(ABC):
     visible_devices_env: ClassVar[str] = ""
     default_attention_backend: ClassVar[str] = "torch_ref"  # layers/attention/__init__.py
     default_recurrent_backend: ClassVar[str] = "torch_ref"  # layers/recurrent/__init__.py
+    # RMSNorm / SiLU-and-mul / rotary: "torch_ref" (the layers' PyTorch code) or "cpu_native"
+    # (native/csrc/elementwise.cpp); layers/backends.py
+    default_elementwise_backend: ClassVar[str] = "torch_ref"
     default_block_size: ClassVar[int] = 16
     supported_block_sizes: ClassVar[tuple[int, ...]] = (1, 8, 16, 32, 64, 128, 256)
 
@@ -69,10 +69,6 @@ class Platform(ABC):
     def float_linear(self) -> Callable[..., torch.Tensor] | None:
         """A faster ``linear(x, weight, bias)`` for float weights than ``F.linear``, or None.
         Contract: same results as ``F.linear`` up to fp32 summation order."""
-        return None
-
-    def elementwise_kernels(self) -> ElementwiseKernels | None:
-        """Fused RMSNorm / SiLU-and-mul / rotary kernels, or None: the layers' PyTorch code."""
         return None
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,

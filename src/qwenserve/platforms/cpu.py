@@ -64,6 +64,8 @@ class CpuPlatform(Platform):
     # gather + SDPA (docs/benchmarks.md).
     default_attention_backend = "cpu_native"
     default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
+    # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
+    default_elementwise_backend = "cpu_native"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -103,12 +105,6 @@ class CpuPlatform(Platform):
         # float32 GEMMs: torch's F.linear calls MKL, which on AMD CPUs runs 1.2-2.5x slower than
         # oneDNN for the shapes a model runs (benchmarks.md); bf16 already goes to oneDNN.
         return _onednn_linear if _has_onednn_linear() else None
-
-    def elementwise_kernels(self):
-        # native/csrc/elementwise.cpp, where a compiler is: one pass per fused op (benchmarks.md)
-        from qwenserve.native.kernels import elementwise
-
-        return elementwise()
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,
