@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--step-reps", type=int, default=4)
     p.add_argument("--no-steps", action="store_true", help="kernels only")
     p.add_argument("--no-kernels", action="store_true", help="steps only")
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="a multiple of 256")
+    p.add_argument("--prefill-tokens", type=int, default=2048, help="a multiple of 256; 0: no prefill step")
     p.add_argument("--threads", default="1,2", help="1: CPU time; more: wall time")
     args = p.parse_args()
 
@@ -198,9 +198,10 @@ def main() -> None:
         steps = Steps(args, kernels)
         report("decode step, 64 seqs x 300 ctx", lambda: steps.decode(False),
                lambda: steps.decode(True), args.step_reps)
-        report(f"prefill step, {len(steps.prefills) * 256} tokens",
-               lambda: steps.prefill(False), lambda: steps.prefill(True),
-               max(2, args.step_reps // 2))
+        if steps.prefills:
+            report(f"prefill step, {len(steps.prefills) * 256} tokens",
+                   lambda: steps.prefill(False), lambda: steps.prefill(True),
+                   max(2, args.step_reps // 2))
     print("RESULT " + json.dumps(result))
 
 
