@@ -35,8 +35,9 @@ def expected(path: str) -> list[list[int]]:
     return _EXPECTED[path]
 
 
-def run_tp2(path: str, spec: dict) -> tuple[int, int, int]:
-    """Check TP=2 with ``spec`` against TP=1 plain; returns the spec counters."""
+def run_tp2(path: str, spec: dict, per_pos: bool = False) -> tuple[int, int, int]:
+    """Check TP=2 with ``spec`` against TP=1 plain; returns the spec counters (``per_pos``:
+    and checks the per-position accepted counts, vLLM's metric, add up)."""
     want = expected(path)
     llm = spec_llm(path, max_model_len=64, tensor_parallel_size=2, speculative_config=spec,
                    num_gpu_blocks_override=5)
@@ -49,13 +50,19 @@ def run_tp2(path: str, spec: dict) -> tuple[int, int, int]:
         assert llm.llm_engine.scheduler.num_preemptions > 0
         counts = totals(llm)
         assert counts[0] > 0  # drafts were verified
+        if per_pos:
+            by_pos = llm.llm_engine.scheduler.spec_totals.num_accepted_tokens_per_pos
+            assert len(by_pos) == K and by_pos[K - 1] > 0 and sum(by_pos) == counts[2]
         return counts
     finally:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe",
+                                  pytest.param("qwen3_next", marks=pytest.mark.benchmark)])
 def test_mtp(tiny_model, arch):
+    """(Qwen3-Next's head is Qwen3.5-MoE's class: under QWENSERVE_RUN_BENCHMARKS=1, for CI
+    time, as in test_mtp.py.)"""
     path = add_mtp_head(tiny_model(arch, mtp_num_hidden_layers=1))
     run_tp2(path, {"method": f"{'qwen3_next' if arch == 'qwen3_next' else 'qwen3_5'}_mtp",
                    "num_speculative_tokens": K})
@@ -96,8 +103,8 @@ def test_rigged_mtp_accepts_at_tp2(tiny_model, monkeypatch, tmp_path):
     continuations = ids(gen(llm, longer, PROMPTS))
     llm.llm_engine.shutdown()
     rig_every_rank(monkeypatch, tmp_path, PROMPTS, continuations)
-    drafts, draft_tokens, accepted = run_tp2(path, {"method": "qwen3_5_mtp",
-                                                    "num_speculative_tokens": K})
+    spec = {"method": "qwen3_5_mtp", "num_speculative_tokens": K}
+    drafts, draft_tokens, accepted = run_tp2(path, spec, per_pos=True)
     assert accepted / draft_tokens > 0.95
 
 

@@ -71,8 +71,9 @@ class Qwen3_5MTP(nn.Module):
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps, ctx.dtype)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps, ctx.dtype)
         # vLLM builds the layer as "mtp.layers.0": its MLP is MoE where layer 0 would be.
+        mlp = target.make_mlp(ctx, 0, "mtp.layers.0.mlp")  # quantization looked up by mtp.*
         self.layers = nn.ModuleList(
-            [Qwen3_5DecoderLayer(ctx, self.layer_id, "full_attention", target.make_mlp(ctx, 0, "mtp.layers.0.mlp"))])
+            [Qwen3_5DecoderLayer(ctx, self.layer_id, "full_attention", mlp)])
         self.norm = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps, ctx.dtype)
         self._target = (target,)  # a tuple: not registered as a submodule
 

@@ -14,14 +14,22 @@ output, so plain verification needs nothing more. Two things do, within the step
         recurrent state (``state_rollback.py``); that forward pass holds collectives too, and
         every rank must know how many drafts each request kept.
 
-One broadcast of ``StepTokens`` over the CPU group per step that needs it carries both; steps
-with neither (dense target with n-gram lookup or a driver-only drafter) send nothing.
+One collective over the CPU group per step that needs it carries both; steps with neither
+(dense target with n-gram lookup or a driver-only drafter) send nothing. Every rank knows the
+step's sampled chunks and their draft counts, so the message has a fixed layout: one small
+integer all-reduce (MAX; the other ranks send -1) instead of a pickled broadcast (two
+collectives and pickling):
+
+    per sampled chunk, in the step's order:   1 + num_draft_tokens slots   + 1 slot
+                                              emitted ids, -1 padded        draftable (0 / 1)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from qwenserve.core.sched_output import ScheduledChunk
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 
 
@@ -42,15 +50,33 @@ class SpecRanks:
     every_rank: bool = False
 
     def must_share(self, verifying_hybrid: bool) -> bool:
-        """Whether this step broadcasts ``StepTokens``; every rank answers the same (the
+        """Whether this step sends ``StepTokens`` (``share``); every rank answers the same (the
         inputs are the scheduler's output and the configuration)."""
         return self.tp.world_size > 1 and (self.every_rank or verifying_hybrid)
 
-    def share(self, tokens: StepTokens | None) -> StepTokens:
-        """The driver's ``tokens`` on every rank (others pass None)."""
-        shared = self.tp.broadcast_object(tokens if self.tp.is_driver else None)
-        assert isinstance(shared, StepTokens)
-        return shared
+    def share(self, sampled: Sequence[ScheduledChunk], tokens: StepTokens | None
+              ) -> StepTokens:
+        """The driver's ``tokens`` (for the step's ``sampled`` chunks) on every rank; the other
+        ranks pass None."""
+        widths = [1 + c.num_draft_tokens for c in sampled]
+        if not widths:  # e.g. a step of prefill chunks only: every rank knows there is nothing
+            return StepTokens()
+        if tokens is None:
+            flat = [-1] * (sum(widths) + len(widths))
+        else:
+            draftable = set(tokens.draftable)
+            flat = []
+            for chunk, width, emitted in zip(sampled, widths, tokens.emitted, strict=True):
+                flat += emitted + [-1] * (width - len(emitted))
+                flat.append(int(chunk.request_id in draftable))
+        got = self.tp.max_flags(flat)
+        emitted_all, draftable_ids, start = [], [], 0
+        for chunk, width in zip(sampled, widths):
+            emitted_all.append([t for t in got[start : start + width] if t >= 0])
+            if got[start + width]:
+                draftable_ids.append(chunk.request_id)
+            start += width + 1
+        return StepTokens(emitted_all, draftable_ids)
 
 
 DRIVER_ONLY = SpecRanks()  # one rank: nothing to share

@@ -143,9 +143,10 @@ class ModelRunner:
         emitted = self._sample(logits, sampled_chunks) if self.is_driver else None
         shared = None
         if self.spec_ranks.must_share(saved is not None):
-            shared = self.spec_ranks.share(None if emitted is None else StepTokens(
+            mine = None if emitted is None else StepTokens(
                 [[t.token_id for t in tokens] for tokens in emitted],
-                self._draftable(sampled_chunks) if self.proposer is not None else []))
+                self._draftable(sampled_chunks) if self.proposer is not None else [])
+            shared = self.spec_ranks.share(sampled_chunks, mine)
         if saved is not None:
             counts = [len(t) - 1 for t in (emitted if emitted is not None else shared.emitted)]
             self._roll_back_states(verifying, saved, dict(zip(
