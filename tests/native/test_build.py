@@ -63,9 +63,10 @@ def test_loading_the_kernels_keeps_subnormal_floats():
 
     script = (
         "import torch\n"
-        "from qwenserve.native.kernels import decode_attention\n"
+        "from qwenserve.native.kernels import decode_attention, elementwise\n"
         "from qwenserve.layers.recurrent.fused import native_ops\n"
-        "loaded = decode_attention() is not None and native_ops() is not None\n"
+        "loaded = (decode_attention() is not None and native_ops() is not None\n"
+        "          and elementwise() is not None)\n"
         "tiny = torch.tensor([1e-38], dtype=torch.float32) * 1e-3\n"
         "print(loaded, float(tiny[0]) != 0.0)\n"
     )

@@ -20,6 +20,9 @@ class Platform(ABC):
     visible_devices_env: ClassVar[str] = ""
     default_attention_backend: ClassVar[str] = "torch_ref"  # layers/attention/__init__.py
     default_recurrent_backend: ClassVar[str] = "torch_ref"  # layers/recurrent/__init__.py
+    # RMSNorm / SiLU-and-mul / rotary: "torch_ref" (the layers' PyTorch code) or "cpu_native"
+    # (native/csrc/elementwise.cpp); layers/backends.py
+    default_elementwise_backend: ClassVar[str] = "torch_ref"
     default_block_size: ClassVar[int] = 16
     supported_block_sizes: ClassVar[tuple[int, ...]] = (1, 8, 16, 32, 64, 128, 256)
 

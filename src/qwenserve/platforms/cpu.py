@@ -64,6 +64,8 @@ class CpuPlatform(Platform):
     # gather + SDPA (docs/benchmarks.md).
     default_attention_backend = "cpu_native"
     default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
+    # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
+    default_elementwise_backend = "cpu_native"
 
     @classmethod
     def is_available(cls) -> bool:
