@@ -1,8 +1,9 @@
 """Prefill through Qwen3.5 Gated DeltaNet layers: chunked kernel vs token-by-token recurrence.
 
 Qwen3.5-0.8B shapes (hidden 1024, 16 key / 16 value heads of dim 128, conv kernel 4), random
-weights, fp32, the CPU platform's recurrent backend (``--backend torch_ref``: the pure-PyTorch
-reference); the token-by-token side is always the reference recurrence. Times the whole layer (projections, conv, gating,
+weights, fp32, the CPU platform's recurrent backend (``fused``: the C++ chunked prefill where a
+compiler is; ``--backend torch_ref``: the pure-PyTorch reference); the token-by-token side is
+always the reference recurrence. Times the whole layer (projections, conv, gating,
 delta rule, gated norm, out_proj) and the delta-rule core alone, alternating the two variants;
 prints markdown table rows (median of the repeats, and the min: steadier on a shared machine).
 
@@ -116,6 +117,8 @@ def hf_kernels() -> tuple[Callable, Callable] | None:
 
 def build_cases(args: argparse.Namespace) -> dict[str, tuple[Callable, Callable]]:
     backend = get_recurrent_backend(args.backend)
+    if hasattr(backend, "native_chunk_size"):  # fused: --chunk-size is its C++ kernel's
+        backend.native_chunk_size = args.chunk_size
     layers = [GDNLayer(backend, args.chunk_size) for _ in range(args.layers)]
     x = torch.randn(args.tokens, HIDDEN)  # [T, hidden]
 
@@ -175,7 +178,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default=CpuPlatform.default_recurrent_backend,
                         help="recurrent backend of the chunked side (default: the CPU platform's)")
-    parser.add_argument("--chunk-size", type=int, default=0, help="0: the backend's")
+    parser.add_argument("--chunk-size", type=int, default=0,
+                        help="0: the backend's (fused: its C++ kernel's, also the reference's)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--hf", action="store_true", help="also time HF's torch fallbacks")
     parser.add_argument("--decode-batch", type=int, default=64,
@@ -183,7 +187,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.chunk_size = args.chunk_size or get_recurrent_backend(args.backend).chunk_size
+    default = get_recurrent_backend(args.backend)
+    args.chunk_size = args.chunk_size or getattr(default, "native_chunk_size", default.chunk_size)
     torch.manual_seed(0)
     cases = build_cases(args)
     print(f"command: {' '.join([sys.executable, *sys.argv])}")

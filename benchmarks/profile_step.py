@@ -27,6 +27,8 @@ sys.path.insert(0, HERE)
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
             "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::_int_mm")
 LABELS = ("lm_head", "attention", "sampler")
+# ctypes kernels show no torch op: their label's time goes to the elementwise bucket
+ELEMENTWISE_LABEL = "fused elementwise"
 
 
 def _label(fn, name: str):
@@ -51,6 +53,10 @@ def instrument() -> None:
     for name in attn._BACKENDS:
         cls = type(attn.get_attention_backend(name))
         cls.forward = _label(cls.forward, "attention")
+    from qwenserve.native.kernels import Elementwise
+
+    for name in ("rms_norm", "silu_and_mul", "rotary"):
+        setattr(Elementwise, name, _label(getattr(Elementwise, name), ELEMENTWISE_LABEL))
 
 
 def top_level(prof):
@@ -69,6 +75,9 @@ def breakdown(prof, wall_s: float, other_ops: dict[str, float]) -> dict[str, flo
         seconds = ev.cpu_time_total / 1e6
         if ev.name in LABELS:
             out[ev.name] += seconds
+        elif ev.name == ELEMENTWISE_LABEL:
+            out["norms/elementwise/other ops"] += seconds
+            other_ops[ev.name] += seconds
         elif ev.name in GEMM_OPS:
             out["gemm"] += seconds
         else:

@@ -35,6 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, VOCAB = 64, 256, 128, 151643
 RESULT_MARKER = "RESULT "
+VLLM_STUB = os.path.join(HERE, "vllm_stub")
 
 
 def workload(args: argparse.Namespace, seed: int = 0) -> list[list[int]]:
@@ -87,9 +88,10 @@ def worker_vllm(path: str, args: argparse.Namespace) -> dict:
 def bench_env(threads: int, system: str) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", OMP_NUM_THREADS=str(threads))
-    if system == "qwenserve":
-        env["PYTHONPATH"] = os.pathsep.join(
-            [os.path.join(HERE, "..", "src"), *filter(None, [env.get("PYTHONPATH")])])
+    # vLLM's Qwen3.5 module imports torchvision (no CPU build for this torch): its processes get
+    # an import stub as sitecustomize (vllm_stub/sitecustomize.py)
+    first = os.path.join(HERE, "..", "src") if system == "qwenserve" else VLLM_STUB
+    env["PYTHONPATH"] = os.pathsep.join([first, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

@@ -1,7 +1,8 @@
 """Every recurrent (Gated DeltaNet) backend against the token-by-token reference: prefill chunks,
 decode steps and the conv, on varlen batches with initial states (prefix-cache restores and
 continuations), in fp32 and bf16. ``fused`` runs twice: with its C++ kernels, and with them
-off (the fallback a machine without a compiler gets)."""
+off (the fallback a machine without a compiler gets). The C++ chunked prefill also runs at other
+chunk sizes, on strided q/k/v views with partial register tiles, and with a bf16 state pool."""
 
 from __future__ import annotations
 
@@ -167,3 +168,91 @@ def test_backends_agree_on_a_decode_batch_in_bf16() -> None:
     o = fast.gated_delta_rule(q, k, v, g, beta, ssm2, meta)
     torch.testing.assert_close(o, o_ref, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(ssm2, ssm, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def reference_calls(monkeypatch) -> list[int]:
+    """Counts the fused backend's falls back to the reference's chunked prefill."""
+    calls, fallback = [], fused_module._reference_prefill
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fallback(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "_reference_prefill", counted)
+    return calls
+
+
+def native_fused(chunk_size: int) -> RecurrentBackend:
+    if fused_module.native_ops() is None:
+        pytest.skip("no C++ toolchain here")
+    backend = get_recurrent_backend("fused")
+    backend.native_chunk_size = chunk_size
+    return backend
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16, 64])
+def test_native_prefill_chunk_boundaries(chunk_size, reference_calls) -> None:
+    """The C++ prefill at other chunk sizes: prompts of C-1, C, C+1 and 2C+3 tokens (no
+    padding: a last chunk has fewer rows) beside decodes, fresh and restored states."""
+    c = chunk_size
+    check_against_recurrence(native_fused(c), [c - 1, 1, c, c + 1, 1, 2 * c + 3],
+                             [0, 1, 2, 3, 4, 5], [False, True, True, False, True, True], seed=9)
+    assert not reference_calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_strided_views_odd_dims(dtype, reference_calls) -> None:
+    """q/k/v as the model passes them (views of the conv output with one row stride), with head
+    dims that leave partial register tiles (Dk 40: 6-row blocks + 4; Dv 24: 16 + 8 columns) and
+    Hv = 3 Hk; against the reference backend on the same step, in fp32 and bf16."""
+    hk, hv, dk, dv, lens = 1, 3, 40, 24, [37, 1, 5, 70]
+    gen = torch.Generator().manual_seed(10)
+    mixed = torch.randn(sum(lens), 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(-1, hk, dk), k.view(-1, hk, dk), v.view(-1, hv, dv)  # strided rows
+    g = -torch.rand(sum(lens), hv, generator=gen)
+    beta = torch.rand(sum(lens), hv, generator=gen).to(dtype)
+    pool = torch.randn(6, hv, dk, dv, generator=gen)
+    pool_ref = pool.clone()
+    slots, init = [4, 0, 2, 5], [True, True, False, True]
+    ref = get_recurrent_backend("torch_ref")
+    meta = ref.build_metadata(cu(lens), slots, init, "cpu")
+    o = native_fused(16).gated_delta_rule(q, k, v, g, beta, pool, meta)
+    o_ref = ref.gated_delta_rule(q, k, v, g, beta, pool_ref, meta)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert o.dtype == dtype and not reference_calls
+    torch.testing.assert_close(o, o_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(pool, pool_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_native_prefill_bf16_state_pool(reference_calls) -> None:
+    """A bf16 state pool (--mamba-ssm-cache-dtype): read and written back in bf16, as the
+    reference does."""
+    lens, slots, init = [40, 1, 19], [2, 0, 1], [True, True, False]
+    q, k, v, g, beta = make_qkvgb(sum(lens), seed=11)
+    pool = torch.randn(3, HV, DK, DV).bfloat16()
+    pool_ref = pool.clone()
+    ref = get_recurrent_backend("torch_ref")
+    meta = ref.build_metadata(cu(lens), slots, init, "cpu")
+    o = native_fused(32).gated_delta_rule(q, k, v, g, beta, pool, meta)
+    o_ref = ref.gated_delta_rule(q, k, v, g, beta, pool_ref, meta)
+    assert not reference_calls
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.float(), pool_ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_unsupported_head_dim_runs_the_reference(reference_calls) -> None:
+    """Head dims the C++ prefill does not take (not a multiple of 8) fall back, same results."""
+    hk, hv, dk, dv, n = 1, 2, 12, 6, 20
+    gen = torch.Generator().manual_seed(12)
+    q, k = torch.randn(n, hk, dk, generator=gen), torch.randn(n, hk, dk, generator=gen)
+    v, g = torch.randn(n, hv, dv, generator=gen), -torch.rand(n, hv, generator=gen)
+    beta = torch.rand(n, hv, generator=gen)
+    pool = torch.zeros(1, hv, dk, dv)
+    meta = get_recurrent_backend("torch_ref").build_metadata([0, n], [0], [False], "cpu")
+    o = native_fused(32).gated_delta_rule(q, k, v, g, beta, pool, meta)
+    assert reference_calls == [1]
+    o_ref, state = recurrent_gated_delta_rule(q, k, v, g, beta)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(pool[0], state, atol=ATOL, rtol=ATOL)

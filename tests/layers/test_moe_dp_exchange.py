@@ -5,39 +5,14 @@ replica), get the same output as the whole layer on one device."""
 from __future__ import annotations
 
 import multiprocessing as mp
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from helpers.moe_blocks import CFG, sharded_like, whole_block
 from qwenserve.distributed.init import LOOPBACK, serve_store
-from qwenserve.distributed.parallel_group import SINGLE
-from qwenserve.layers.moe import MoEBlock
 
-CFG = SimpleNamespace(num_experts=5, num_experts_per_tok=2, hidden_size=16,
-                      moe_intermediate_size=8, norm_topk_prob=True)
 TOKENS = {0: [3, 0, 4], 1: [0, 0, 6]}  # per step: rank 0 idle once, rank 1 twice
-
-
-def whole_block() -> MoEBlock:
-    torch.manual_seed(0)
-    block = MoEBlock(CFG, torch.float32, SINGLE, shared_intermediate_size=8)
-    for p in block.parameters():
-        p.data.normal_(0, 0.3)
-    return block
-
-
-def sharded_like(full: MoEBlock, tp, dp_ep) -> MoEBlock:
-    block = MoEBlock(CFG, torch.float32, tp, shared_intermediate_size=8, dp_ep=dp_ep)
-    for mine, whole in ((block.experts, full.experts), (block.shared_expert, full.shared_expert)):
-        inter = whole.intermediate_size
-        for e in range(whole.num_experts):
-            mine.load_expert(e, "gate", whole.w13[e, :inter])
-            mine.load_expert(e, "up", whole.w13[e, inter:])
-            mine.load_expert(e, "down", whole.w2[e])
-    block.shared_expert_gate.load_state_dict(full.shared_expert_gate.state_dict())
-    block.gate.load_state_dict(full.gate.state_dict())
-    return block
 
 
 def inputs(rank: int, step: int) -> torch.Tensor:

@@ -135,22 +135,25 @@ def test_batch_invariance_alone_equals_in_batch_of_16(references):
         assert alone[0].outputs[0].token_ids == together[i].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: the per-head q/k norms
 @pytest.mark.parametrize("native", ["1", "0"])
-def test_cpu_native_kernels_and_their_fallback_match_hf(references, monkeypatch, native):
-    """The CPU platform's native decode attention, and (``QWENSERVE_NATIVE=0``, as on a machine
-    without a compiler) the pure-PyTorch code it falls back to, both give HF's tokens."""
+def test_cpu_native_kernels_and_their_fallback_match_hf(references, monkeypatch, native, arch):
+    """The CPU platform's native decode attention and fused norm/SiLU/rotary kernels, and
+    (``QWENSERVE_NATIVE=0``, as on a machine without a compiler) the pure-PyTorch code they
+    fall back to, both give HF's tokens."""
     from qwenserve.native import build
 
     monkeypatch.setenv("QWENSERVE_NATIVE", native)
     build._load.cache_clear()
-    path, prompts, expected, _ = references("qwen2")
+    path, prompts, expected, _ = references(arch)
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32)
-    attention = llm.llm_engine.executor.worker.backends.attention
+    backends = llm.llm_engine.executor.worker.backends
+    attention = backends.attention
     assert attention.name == "cpu_native"
     if native == "0" or build.compiler() is None:
-        assert attention.kernels is None
+        assert attention.kernels is None and backends.elementwise is None
     else:
-        assert attention.kernels is not None
+        assert attention.kernels is not None and backends.elementwise is not None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
     assert [o.outputs[0].token_ids for o in outs] == expected
     build._load.cache_clear()

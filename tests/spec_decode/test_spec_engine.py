@@ -181,9 +181,3 @@ def test_hybrid_models_roll_their_state_back(tiny_model, arch):
     assert spec.llm_engine.cache.stats.hits > 0
     totals = spec.llm_engine.scheduler.spec_totals
     assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
-
-
-def test_hybrid_with_tp_refused_with_the_reason(tiny_model):
-    with pytest.raises(ValueError, match="recurrent state"):
-        LLM(tiny_model("qwen3_5"), dtype="float32", max_model_len=64, tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from qwenserve.layers.attention import AttentionBackend, get_attention_backend
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
+from qwenserve.native import kernels as native_kernels
 from qwenserve.quantization.kernels import Int8Matmul
 
 if TYPE_CHECKING:
@@ -26,12 +27,40 @@ if TYPE_CHECKING:
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
+class ElementwiseKernels(Protocol):
+    """Fused elementwise ops (``native.kernels.Elementwise`` on CPU). The layers call them for
+    tensors ``supports`` accepts and run their PyTorch reference for the rest."""
+
+    def supports(self, x: torch.Tensor) -> bool: ...
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, zero_centred: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None: ...
+
+
+def get_elementwise_kernels(name: str) -> ElementwiseKernels | None:
+    """The fused elementwise kernels called ``name``: None for ``torch_ref`` and where the
+    native ones cannot be built (no compiler, ``QWENSERVE_NATIVE=0``: logged once)."""
+    if name == "torch_ref":
+        return None
+    if name == "cpu_native":
+        return native_kernels.elementwise()
+    raise ValueError(f"unknown elementwise backend {name!r}; known: torch_ref, cpu_native")
+
+
 @dataclass(frozen=True)
 class Backends:
     attention: AttentionBackend  # paged attention layers
     recurrent: RecurrentBackend  # Gated DeltaNet layers
     float_linear: LinearFn  # float (unquantized) linear layers and the LM head
     int8_mm: Int8Matmul  # INT8 W8A8 linear layers (quantized checkpoints, --quantization int8)
+    # RMSNorm (+ residual add), SiLU-and-mul and rotary of the decoder layers; None: PyTorch's
+    elementwise: ElementwiseKernels | None = None
 
     @classmethod
     def for_platform(cls, platform: Platform) -> Backends:
@@ -41,6 +70,7 @@ class Backends:
             float_linear=with_skinny_gemm(platform.float_linear() or F.linear,
                                           platform.skinny_gemm_max_rows),
             int8_mm=Int8Matmul(platform),
+            elementwise=get_elementwise_kernels(platform.default_elementwise_backend),
         )
 
     @classmethod

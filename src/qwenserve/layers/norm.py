@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from qwenserve.layers.backends import ElementwiseKernels
 
 
 class RMSNorm(nn.Module):
@@ -11,12 +16,18 @@ class RMSNorm(nn.Module):
 
     ``forward(x, residual)`` first adds the residual (in the activation dtype, as HF does) and
     returns ``(normed, new_residual)``, which saves one pass over the hidden states per layer.
+    With the platform's fused ``kernels`` the add and the norm are one pass (same roundings);
+    the PyTorch code below is the reference and runs for what the kernels do not support.
     """
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    zero_centred = False
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 kernels: ElementwiseKernels | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.kernels = kernels
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -24,6 +35,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernels is not None and self.kernels.supports(x):
+            normed, new_residual = self.kernels.rms_norm(x, residual, self.weight, self.eps,
+                                                         self.zero_centred)
+            return normed if residual is None else (normed, new_residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -33,8 +48,11 @@ class RMSNorm(nn.Module):
 class ZeroCenteredRMSNorm(RMSNorm):
     """Qwen3.5 / Qwen3-Next: ``(x / rms(x) * (1 + w))`` computed in fp32; stored w is around 0."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__(hidden_size, eps, dtype)
+    zero_centred = True
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 kernels: ElementwiseKernels | None = None) -> None:
+        super().__init__(hidden_size, eps, dtype, kernels)
         nn.init.zeros_(self.weight)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

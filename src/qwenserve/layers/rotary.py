@@ -14,6 +14,8 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from qwenserve.layers.backends import ElementwiseKernels
+
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -43,9 +45,15 @@ def _inv_freq(config: PretrainedConfig, rotary_dim: int) -> tuple[torch.Tensor, 
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, rotary_dim: int, max_position: int) -> None:
+    """With the platform's fused ``kernels``, ``forward`` rotates q and k in place (the caller
+    owns them: views of the fresh qkv projection) and returns them; otherwise it returns new
+    tensors from the PyTorch reference. The results are the same, bit for bit."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, rotary_dim: int, max_position: int,
+                 kernels: ElementwiseKernels | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        self.kernels = kernels
         inv_freq, scaling = _inv_freq(config, rotary_dim)
         freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
@@ -55,6 +63,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D]: rotate the first ``rotary_dim`` dims of each head."""
+        if (self.kernels is not None and self.kernels.supports(q) and positions.dim() == 1
+                and all(t.stride(1) == t.shape[2] and t.stride(2) == 1 for t in (q, k))):
+            self.kernels.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
+            return q, k
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -65,8 +65,9 @@ class Attention(nn.Module):
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=switches.o_bias,
             dtype=ctx.dtype, tp=ctx.tp, quant_method=ctx.linear_method(f"{prefix}.o_proj"))
         if switches.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
+            fused = ctx.backends.elementwise
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype, fused)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype, fused)
         self.qk_norm = switches.qk_norm
         self.scale = self.head_dim**-0.5
         self.backend = ctx.backends.attention
@@ -96,9 +97,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden, bias=bias, dtype=ctx.dtype, tp=ctx.tp,
             quant_method=ctx.linear_method(f"{prefix}.down_proj"))
+        self.fused = ctx.backends.elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
 class DecoderLayer(nn.Module):
@@ -109,8 +111,10 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.self_attn = Attention(ctx, switches, f"model.layers.{layer_id}.self_attn")
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        fused = ctx.backends.elementwise
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype,
+                                                fused)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch, caches: ModelCaches, rotary: RotaryEmbedding):
@@ -135,10 +139,11 @@ class DecoderModel(nn.Module):
                                                    ctx.tp)
         self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_hidden_layers))
         if norm is None:
-            norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+            norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.backends.elementwise)
         if rotary is None:
             head_dim = config_head_dim(cfg)
-            rotary = RotaryEmbedding(cfg, head_dim, head_dim, ctx.max_model_len)
+            rotary = RotaryEmbedding(cfg, head_dim, head_dim, ctx.max_model_len,
+                                     ctx.backends.elementwise)
         self.norm, self.rotary = norm, rotary
         # EAGLE-3: the layers whose input hidden states the head reads (empty: none kept).
         self.aux_layer_ids: tuple[int, ...] = ()

@@ -79,8 +79,9 @@ class GatedAttention(nn.Module):
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
             bias=bool(getattr(cfg, "attention_bias", False)), dtype=ctx.dtype, tp=ctx.tp,
             quant_method=ctx.linear_method(f"{prefix}.o_proj"))
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype)
+        fused = ctx.backends.elementwise
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype, fused)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype, fused)
         self.backend = ctx.backends.attention
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
@@ -149,9 +150,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(ctx, f"{prefix}.linear_attn")
         self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        fused = ctx.backends.elementwise
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype,
+                                                   fused)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
-                                                            ctx.dtype)
+                                                            ctx.dtype, fused)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch, caches: ModelCaches, rotary: RotaryEmbedding):
@@ -192,10 +195,11 @@ class Qwen3_5ForCausalLM(DenseForCausalLM):
         cfg, types = ctx.hf_config, layer_types(ctx.hf_config)
         return DecoderModel(
             ctx, lambda i: Qwen3_5DecoderLayer(ctx, i, types[i], self.make_mlp(ctx, i)),
-            norm=ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype),
+            norm=ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype,
+                                     ctx.backends.elementwise),
             rotary=RotaryEmbedding(cfg, cfg.head_dim,
                                    int(cfg.head_dim * partial_rotary_factor(cfg)),
-                                   ctx.max_model_len))
+                                   ctx.max_model_len, ctx.backends.elementwise))
 
     def make_mlp(self, ctx: ModelContext, layer_id: int, prefix: str | None = None) -> nn.Module:
         """``prefix``: the block's checkpoint name where it is not ``model.layers.{layer_id}.mlp``

@@ -20,6 +20,9 @@ class Platform(ABC):
     visible_devices_env: ClassVar[str] = ""
     default_attention_backend: ClassVar[str] = "torch_ref"  # layers/attention/__init__.py
     default_recurrent_backend: ClassVar[str] = "torch_ref"  # layers/recurrent/__init__.py
+    # RMSNorm / SiLU-and-mul / rotary: "torch_ref" (the layers' PyTorch code) or "cpu_native"
+    # (native/csrc/elementwise.cpp); layers/backends.py
+    default_elementwise_backend: ClassVar[str] = "torch_ref"
     default_block_size: ClassVar[int] = 16
     # GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
     # (native/csrc/gemv.cpp, which streams the weight once) where it builds; 0: never.

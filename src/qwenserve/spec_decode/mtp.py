@@ -32,6 +32,7 @@ from qwenserve.core.sched_output import ScheduledChunk
 from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
+from qwenserve.layers.moe import run_idle_moe
 from qwenserve.models.eagle3 import Eagle3Head
 from qwenserve.models.qwen3_5_mtp import Qwen3_5MTP
 from qwenserve.spec_decode.proposer import RequestTokens, too_many
@@ -51,6 +52,10 @@ class MtpProposer:
         self.max_model_len = max_model_len  # the rotary table's length
         self.disable_by_batch_size = disable_by_batch_size
         self._step: tuple[list[ScheduledChunk], torch.Tensor] | None = None
+        # DP x EP (``worker/dp_passes.py``): the head's MoE layer spans the replicas, so every
+        # ``propose`` runs exactly num_tokens head passes, zero-token ones after the real ones.
+        self.lockstep = False
+        self.head_passes = 0  # real head forwards in the current ``propose`` (<= num_tokens)
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None,
                 chunks: Sequence[ScheduledChunk] = ()) -> None:
@@ -60,6 +65,19 @@ class MtpProposer:
 
     def propose(self, request_ids: list[str], requests: Mapping[str, RequestTokens]
                 ) -> dict[str, list[int]]:
+        self.head_passes = 0
+        drafts = self._propose(request_ids, requests)
+        if self.lockstep:
+            self.idle_passes(self.num_tokens - self.head_passes)
+        return drafts
+
+    def idle_passes(self, passes: int) -> None:
+        """Zero-token head passes: this replica's part of the others' head MoE exchanges."""
+        for _ in range(passes):
+            run_idle_moe(self.head)
+
+    def _propose(self, request_ids: list[str], requests: Mapping[str, RequestTokens]
+                 ) -> dict[str, list[int]]:
         if self._step is None:
             return {}
         chunks, hidden = self._step
@@ -85,8 +103,8 @@ class MtpProposer:
                 batch = self._batch([(requests[rid].block_ids, p, 1)
                                      for rid, p in zip(active, positions)],
                                     [drafts[rid][-1] for rid in active], positions)
-                rows = self.head(batch.input_ids, batch.positions,
-                                 torch.stack([out[rid] for rid in active]), batch, self.caches)
+                rows = self._head(batch.input_ids, batch.positions,
+                                  torch.stack([out[rid] for rid in active]), batch)
                 out = dict(zip(active, rows))
             rows = torch.stack([out[rid] for rid in active])
             for rid, token in zip(active, self.choose(active, rows, step, requests)):
@@ -129,9 +147,13 @@ class MtpProposer:
         batch = self._batch([(state.block_ids, start, kept)
                              for _, state, start, kept, _ in entries], tokens, positions)
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        out = self.head(batch.input_ids, batch.positions, hidden.index_select(0, index), batch,
-                        self.caches)
+        out = self._head(batch.input_ids, batch.positions, hidden.index_select(0, index), batch)
         return {rid: out[i] for rid, i in ends.items()}
+
+    def _head(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+              batch: ForwardBatch) -> torch.Tensor:
+        self.head_passes += 1
+        return self.head(input_ids, positions, hidden, batch, self.caches)
 
     def _batch(self, layouts: list[tuple[list[int], int, int]], tokens: list[int],
                positions: list[int]) -> ForwardBatch:

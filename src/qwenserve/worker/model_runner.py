@@ -25,6 +25,7 @@ from qwenserve.spec_decode.lockstep import DRIVER_ONLY, SpecRanks, StepTokens
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
+from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
 from qwenserve.worker.pooler import TokenOutputs, pool, score_tokens
 from qwenserve.worker.sampler import SampledToken, SamplingRow, prompt_logprobs, sample
@@ -55,6 +56,10 @@ class PromptScoring:
 
 
 class ModelRunner:
+    # DP x EP: the MoE passes every replica runs each step, padded where this one has less
+    # (set by the worker: ``dp_passes.py``)
+    lockstep: LockstepPasses | None = None
+
     def __init__(self, model: CausalLM, caches: ModelCaches, backends: Backends, block_size: int,
                  device: torch.device, is_driver: bool = True, seed: int = 0,
                  has_state: bool = False, grammars: RequestGrammars | None = None,
@@ -118,6 +123,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self._update_states(sched)
         if sched.is_empty:
+            if self.lockstep is not None:  # the other replicas may step: meet their passes
+                self.lockstep.idle_step()
             return ModelOutput()
         # Single-token chunks (decodes) first: the attention backend batches them together.
         chunks = sorted(sched.chunks, key=lambda c: len(c.token_ids) != 1)
@@ -129,6 +136,8 @@ class ModelRunner:
         saved = None if not verifying else state_rollback.snapshot(
             self.caches, [self.requests[c.request_id].state_slot for c in verifying],
             self.device)
+        if saved is None and self.lockstep is not None and self.lockstep.vote_rollback:
+            saved = []  # nothing to roll back here, but the replicas vote on it every step
         hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
         if self.pooler is not None and self.pooler.kind == "reward":
             return self._pooled_tokens(chunks, hidden)
@@ -202,9 +211,12 @@ class ModelRunner:
     def _roll_back_states(self, verifying: list[ScheduledChunk], saved: list[torch.Tensor],
                           num_accepted: dict[str, int]) -> None:
         """Hybrid models: requests that rejected a draft get their pre-step recurrent state
-        back, then recompute it over the tokens they kept (``spec_decode/state_rollback.py``)."""
+        back, then recompute it over the tokens they kept (``spec_decode/state_rollback.py``).
+        DP x EP: every replica votes first, so all or none run the recompute's MoE passes."""
         redo = [(i, c) for i, c in enumerate(verifying)
                 if num_accepted[c.request_id] < c.num_draft_tokens]
+        if self.lockstep is not None:
+            self.lockstep.rollback(bool(redo))
         if not redo:
             return
         state_rollback.restore(self.caches, [self.requests[c.request_id].state_slot

@@ -28,7 +28,6 @@ from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.kv_transfer.agent import KVTransferAgent
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.caches import ModelCaches
-from qwenserve.layers.moe import run_idle_moe
 from qwenserve.logger import init_logger
 from qwenserve.models.base import CausalLM, ModelClass, ModelContext
 from qwenserve.models.dense import DecoderModel
@@ -55,6 +54,7 @@ from qwenserve.spec_decode.support import check_speculative, draft_tensor_parall
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.caches import allocate_caches
+from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.model_runner import ModelRunner
 from qwenserve.worker.pooler import embedding_checkpoint_names
 
@@ -181,7 +181,8 @@ class Worker:
         ctx = ModelContext(hf_config=mc.hf_config, dtype=self.dtype,
                            max_model_len=mc.max_model_len, tp=self.tp, backends=self.backends,
                            ssm_dtype=self.ssm_dtype,
-                           expert_parallel=self.config.parallel.enable_expert_parallel)
+                           expert_parallel=self.config.parallel.enable_expert_parallel,
+                           dp_ep=self.dp_ep)  # DP x EP: the head's MoE layer spans the replicas
         with torch.device(self.device):
             head = self.model.make_mtp_head(ctx)
         if self.config.load_format == "dummy":
@@ -293,6 +294,7 @@ class Worker:
             self.kv_agent = KVTransferAgent(self.config.kv_transfer, caches, plan.block_size,
                                             self.tp,
                                             self.config.model.hf_config.num_key_value_heads)
+        self.runner.lockstep = self._lockstep(self.runner.proposer)
 
     @property
     def has_state(self) -> bool:
@@ -346,12 +348,17 @@ class Worker:
             chunks=[ScheduledChunk("warmup", [0], len(tokens), [], True)]))
         self.runner.execute(SchedulerOutput(finished_request_ids=["warmup"]))
 
+    def _lockstep(self, proposer: Proposer | None) -> LockstepPasses | None:
+        """DP x EP: the MoE passes each step runs on every replica (``dp_passes.py``)."""
+        if self.dp_ep is None:
+            return None
+        return LockstepPasses(
+            self.dp_ep, self.model,
+            vote_rollback=self.has_state and self.config.speculative is not None,
+            mtp=proposer if isinstance(proposer, MtpProposer) else None)
+
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         assert self.runner is not None, "init_cache() first"
-        if self.dp_ep is not None and sched.is_empty:  # DP x EP: the other replicas may step
-            out = self.runner.execute(sched)
-            run_idle_moe(self.model)
-            return out
         if self.kv_agent is None:
             return self.runner.execute(sched)
         self.kv_agent.apply(sched)

@@ -96,13 +96,12 @@ def test_data_parallel_layouts_and_refusals():
     alone = data_parallel_config(parse(["-dp", "2", "--data-parallel-rank", "1"]))
     assert alone.external and alone.local_ranks == (1,) and alone.engine_indexes == (1,)
     assert data_parallel_config(parse(["-dp", "2"])).local_ranks == (0, 1)
-    # DP x EP: one node or several, any tensor parallel size; not with speculative decoding
+    # DP x EP: one node or several, any tensor parallel size, with speculative decoding
     assert parse(["-dp", "2", "-tp", "2", "--enable-expert-parallel"]).data_parallel_size == 2
     assert parse(["--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
                   "--enable-expert-parallel"]).headless
-    assert "--speculative-config" in refusal(["-dp", "2", "--enable-expert-parallel",
-                                              "--speculative-config",
-                                              '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert parse(["-dp", "2", "--enable-expert-parallel", "--speculative-config",
+                  '{"method": "qwen3_5_mtp", "num_speculative_tokens": 2}']).speculative_config
     assert parse(["--api-server-count", "2", "-dp", "2"]).api_server_count == 2
     assert "--headless" in refusal(["--api-server-count", "2", "--headless", "-dp", "2",
                                     "-dpr", "1"])

@@ -3,8 +3,9 @@
 
 ``--enable-expert-parallel`` with more than one rank makes the replicas one MoE group stepping
 together (``engine/dp_lockstep.py``), on one node or several (the group's store on the head at
-``--data-parallel-address``, port ``--data-parallel-rpc-port`` + 1). ``--api-server-count`` above 1
-runs that many API processes on the port and the engines (``multi_api_server.py``).
+``--data-parallel-address``, port ``--data-parallel-rpc-port`` + 1), speculative decoding included:
+every replica runs the same MoE passes each step (``worker/dp_passes.py``). ``--api-server-count``
+above 1 runs that many API processes on the port and the engines (``multi_api_server.py``).
 """
 
 from __future__ import annotations
@@ -77,10 +78,6 @@ def data_parallel_problem(ns: argparse.Namespace) -> str | None:
     if rank is not None and ns.headless:
         return "--data-parallel-rank and --headless: give one (a rank behind its own server, or "\
                "a node of engines for a head)"
-    if size > 1 and getattr(ns, "enable_expert_parallel", False):
-        problem = _expert_parallel_problem(ns, size)
-        if problem is not None:
-            return problem
     start = ns.data_parallel_start_rank or 0
     local = ns.data_parallel_size_local
     if rank is not None:
@@ -117,17 +114,6 @@ def _api_server_count_problem(ns: argparse.Namespace) -> str | None:
     if getattr(ns, "kv_transfer_config", None):
         return (f"--api-server-count {count} with --kv-transfer-config: prefill/decode "
                 "disaggregation runs one API process per server; drop --api-server-count")
-    return None
-
-
-def _expert_parallel_problem(ns: argparse.Namespace, size: int) -> str | None:
-    """DP x EP: one MoE group over every rank of every replica, stepping together; refused with
-    speculative decoding, which may run several forward passes in a step."""
-    if getattr(ns, "speculative_config", None):
-        return (f"--speculative-config with --data-parallel-size {size} and "
-                "--enable-expert-parallel: the replicas form one MoE group stepping together, "
-                "one forward pass per step on every replica, and speculative decoding may run "
-                "more; the two are not supported together yet. Drop one of them")
     return None
 
 

@@ -57,6 +57,8 @@ class GDNMetadata:
     decode_has_init: torch.Tensor  # [num_decodes] bool
     prefill_slots: torch.Tensor  # [num_prefills] int64, sorted order
     prefill_has_init: torch.Tensor  # [num_prefills] bool, sorted order
+    prefill_starts: torch.Tensor  # [num_prefills] int64, first packed row, sorted order
+    prefill_lens: torch.Tensor  # [num_prefills] int64, tokens, sorted order
     prefill_tokens: torch.Tensor  # [num_prefill_tokens] int64, packed rows
     prefill_padded_pos: torch.Tensor  # [num_prefill_tokens] int64, rows in the chunk layout
     chunk_token: torch.Tensor  # [num_chunks * C] int64, packed row feeding each chunk row
@@ -138,6 +140,8 @@ def build_gdn_metadata(
         decode_has_init=flags([init[i] for i in decodes]),
         prefill_slots=ints([slots[i] for i in prefills]),
         prefill_has_init=flags([init[i] for i in prefills]),
+        prefill_starts=ints([qsl[i] for i in prefills]),
+        prefill_lens=ints([lens[i] for i in prefills]),
         prefill_tokens=ints(layout.tokens),
         prefill_padded_pos=ints(layout.padded_pos),
         chunk_token=ints(layout.chunk_token),

@@ -1,18 +1,23 @@
 """The CPU Gated DeltaNet backend: fewer passes over memory than the reference, same maths.
 
-- Decode (one token per sequence): a C++ kernel (``csrc/gdn_cpu.cpp``, plain C++ loaded with
-  ctypes through ``qwenserve.native``) updates each state in
-  place in its pool slot, reading it once for both products. The reference gathers every state
-  out of the pool and scatters it back: at batch 64 that is ~5 passes over 64 MiB per layer,
-  as much memory traffic as the weights of the whole model in fp32.
-- Conv1d: the same C++ module runs the varlen depthwise conv straight from the conv-state pool.
-- Prefill: the reference's chunked kernel. Its time is in batched GEMMs already (the three
-  state-sized products per chunk, ~2/3 of it at 1 thread); merging ``w S`` and ``q S`` into one
-  bmm of 2C rows was measured and did not pay for the extra copies (docs/benchmarks.md).
+Three C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
+``qwenserve.native``), each reading and writing the state pools in place:
 
-Without a C++ compiler (or with ``QWENSERVE_NATIVE=0``) decode and conv run the reference's
-PyTorch code, after one log line from ``qwenserve.native``; so does decode with a state pool that
-is not fp32 (``--mamba-ssm-cache-dtype``).
+- Decode (one token per sequence): each state is updated in its pool slot, read once for both
+  products. The reference gathers every state out of the pool and scatters it back: at batch 64
+  that is ~5 passes over 64 MiB per layer, as much memory traffic as the fp32 model's weights.
+- Prefill: the chunked form, one task per (prefill, value head) with its chunks in order. It
+  reads the conv output as it lies (q/k/v are strided views of it), l2-normalises and scales
+  q/k and sums the log decays while packing a chunk, solves the chunk's triangular system by
+  forward substitution, and runs every product through one register-blocked tile with the
+  state in L2 (a column panel of it in L1). No padding to whole chunks, no gather of the
+  states, the outputs written in place. The reference builds each of these as a separate
+  batched PyTorch op over the whole step.
+- Conv1d: the varlen depthwise conv straight from the conv-state pool.
+
+Without a C++ compiler (or with ``QWENSERVE_NATIVE=0``) every path runs the reference's PyTorch
+code, after one log line from ``qwenserve.native``; so does any input the kernels do not take
+(a dtype other than fp32/bf16, a head dim not a multiple of 8, a non-CPU tensor).
 """
 
 from __future__ import annotations
@@ -28,16 +33,35 @@ from qwenserve.layers.recurrent.delta_rule import prepare_qkv
 from qwenserve.layers.recurrent.torch_ref import (
     causal_conv1d_varlen,
     chunked_prefill,
-    recurrent_decode,
+    decode_rows,
 )
 from qwenserve.native import load_library
+from qwenserve.native.build import DEFAULT_CFLAGS
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "gdn_cpu.cpp")
+# FMA contraction: ISO C++ modes (-std=c++17) leave a * b + c unfused otherwise.
+_CFLAGS = (*DEFAULT_CFLAGS, "-ffp-contract=fast")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _ChunkArgs(ctypes.Structure):
+    """``ChunkArgs`` of ``csrc/gdn_cpu.cpp``, field for field."""
+
+    _fields_ = [("q", _P), ("k", _P), ("v", _P), ("q_stride", _I), ("k_stride", _I),
+                ("v_stride", _I), ("g", _P), ("beta", _P), ("pool", _P), ("out", _P),
+                ("starts", _P), ("lens", _P), ("slots", _P), ("has_init", _P),
+                ("num_prefills", _I), ("Hk", _I), ("Hv", _I), ("Dk", _I), ("Dv", _I), ("C", _I)]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [T, H, D] with heads and elements contiguous (rows may be strided, as the split conv
+    output's are); a contiguous copy otherwise."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 class NativeGDN:
-    """Typed face of ``csrc/gdn_cpu.cpp`` (pointers of contiguous CPU tensors)."""
+    """Typed face of ``csrc/gdn_cpu.cpp`` (pointers of CPU tensors)."""
 
     CONV = {torch.float32: "gdn_conv_f32", torch.bfloat16: "gdn_conv_bf16"}
 
@@ -51,6 +75,9 @@ class NativeGDN:
             fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
             fn.restype = None
             self._conv[dtype] = fn
+        self._chunk = lib.gdn_chunk
+        self._chunk.argtypes = [ctypes.POINTER(_ChunkArgs), ctypes.c_int, ctypes.c_int]
+        self._chunk.restype = ctypes.c_int
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
@@ -66,6 +93,36 @@ class NativeGDN:
                      g.data_ptr(), beta.data_ptr(), slots.data_ptr(), init.data_ptr(), b, h, dk,
                      v.shape[2])
         return out
+
+    @staticmethod
+    def supports_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         pool: torch.Tensor) -> bool:
+        return (q.dtype in _DTYPE_CODES and k.dtype == v.dtype == q.dtype
+                and pool.dtype in _DTYPE_CODES and pool.is_contiguous()
+                and q.device.type == pool.device.type == "cpu"
+                and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+                and v.shape[1] % k.shape[1] == 0)
+
+    def chunk_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, pool: torch.Tensor, meta: GDNMetadata,
+                      out: torch.Tensor, chunk_size: int) -> None:
+        """Every prefill of the step (``meta.prefill_*``) in chunks of ``chunk_size``: q, k
+        [T, Hk, Dk], v [T, Hv, Dv] as the conv left them (q/k not yet normalised), g/beta
+        [T, Hv]; reads and writes the pool in place and the prefills' rows of out [T, Hv, Dv]
+        (contiguous, q's dtype)."""
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        ints = [t.to(torch.int64).contiguous() for t in
+                (meta.prefill_starts, meta.prefill_lens, meta.prefill_slots)]
+        init = meta.prefill_has_init.to(torch.uint8).contiguous()
+        args = _ChunkArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
+                          v.stride(0), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
+                          out.data_ptr(), *(t.data_ptr() for t in ints), init.data_ptr(),
+                          meta.num_prefills, q.shape[1], v.shape[1], q.shape[2], v.shape[2],
+                          chunk_size)
+        if self._chunk(ctypes.byref(args), _DTYPE_CODES[q.dtype], _DTYPE_CODES[pool.dtype]):
+            raise ValueError(f"gdn_chunk: unsupported shapes q {tuple(q.shape)}, "
+                             f"v {tuple(v.shape)}, chunk size {chunk_size}")
 
     def supports_conv(self, x: torch.Tensor, conv_state: torch.Tensor) -> bool:
         return (x.dtype in self._conv and conv_state.dtype == x.dtype and x.device.type == "cpu"
@@ -92,25 +149,43 @@ class NativeGDN:
 @functools.cache
 def native_ops() -> NativeGDN | None:
     """The compiled kernels, or None (the reason logged once by ``qwenserve.native``)."""
-    lib = load_library("qwenserve_gdn_cpu", [_SOURCE])
+    lib = load_library("qwenserve_gdn_cpu", [_SOURCE], cflags=_CFLAGS)
     return None if lib is None else NativeGDN(lib)
 
 
-def _decode_native(
-    ops: NativeGDN, qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata,
-    out: torch.Tensor,
-) -> None:
+def _decode(ops: NativeGDN | None, raw: tuple[torch.Tensor, ...], pool: torch.Tensor,
+            meta: GDNMetadata, out: torch.Tensor) -> None:
+    """The decodes' rows of out; only those rows are prepared (normalised, heads repeated)."""
     rows = meta.decode_tokens
-    q, k, v, g, beta = (t.index_select(0, rows) for t in qkvgb)  # contiguous [n, ...]
-    o = ops.decode_step(q, k, v, g, beta, pool, meta.decode_slots, meta.decode_has_init)
-    out.index_copy_(0, rows, o)
+    prepared = prepare_qkv(*(t.index_select(0, rows) for t in raw))  # [n, ...] fp32
+    slots, init = meta.decode_slots, meta.decode_has_init
+    if ops is not None and pool.dtype == torch.float32 and pool.device.type == "cpu" \
+            and pool.is_contiguous():
+        o = ops.decode_step(*prepared, pool, slots, init)
+    else:
+        o = decode_rows(prepared, pool, slots, init)
+    out.index_copy_(0, rows, o.to(out.dtype))
+
+
+def _reference_prefill(ops: NativeGDN | None, raw: tuple[torch.Tensor, ...], pool: torch.Tensor,
+                       meta: GDNMetadata) -> torch.Tensor:
+    """The reference's chunked prefill (the native decode step still where it applies)."""
+    qkvgb = prepare_qkv(*raw)
+    num_tokens, heads, dv = raw[2].shape
+    out_rows = qkvgb[2].new_empty(num_tokens * heads + 1, dv)  # [T*Hv + 1, Dv] + dump row
+    out = out_rows[:-1].view(num_tokens, heads, dv)  # [num_tokens, Hv, Dv] fp32
+    if meta.num_decodes:
+        _decode(ops, raw, pool, meta, out)
+    chunked_prefill(qkvgb, pool, meta, out_rows)
+    return out.to(raw[2].dtype)
 
 
 class FusedRecurrentBackend(RecurrentBackend):
-    """CPU kernels: native decode and conv where they compile; the reference's chunked prefill."""
+    """CPU kernels: native decode, chunked prefill and conv where they compile."""
 
     name = "fused"
-    chunk_size = 32  # as the reference: measured best on CPU for Qwen3.5 shapes
+    chunk_size = 32  # the reference's layout (the fallback): measured best on CPU
+    native_chunk_size = 32  # the C++ prefill's chunks (docs/benchmarks.md)
 
     def causal_conv1d(
         self,
@@ -138,17 +213,13 @@ class FusedRecurrentBackend(RecurrentBackend):
         ssm_state: torch.Tensor,
         meta: GDNMetadata,
     ) -> torch.Tensor:
-        qkvgb = prepare_qkv(q, k, v, g, beta)
-        num_tokens, heads, dv = v.shape
-        out_rows = qkvgb[2].new_empty(num_tokens * heads + 1, dv)  # [T*Hv + 1, Dv] + dump row
-        out = out_rows[:-1].view(num_tokens, heads, dv)  # [num_tokens, Hv, Dv]
+        ops = native_ops()
+        if meta.num_prefills and (ops is None or not ops.supports_prefill(q, k, v, ssm_state)):
+            return _reference_prefill(ops, (q, k, v, g, beta), ssm_state, meta)
+        out = torch.empty(v.shape, dtype=v.dtype)  # [num_tokens, Hv, Dv]
         if meta.num_decodes:
-            ops = native_ops()
-            if ops is not None and ssm_state.dtype == torch.float32 \
-                    and ssm_state.device.type == "cpu" and ssm_state.is_contiguous():
-                _decode_native(ops, qkvgb, ssm_state, meta, out)
-            else:
-                recurrent_decode(qkvgb, ssm_state, meta, out)
+            _decode(ops, (q, k, v, g, beta), ssm_state, meta, out)
         if meta.num_prefills:
-            chunked_prefill(qkvgb, ssm_state, meta, out_rows)
-        return out.to(v.dtype)
+            assert ops is not None
+            ops.chunk_prefill(q, k, v, g, beta, ssm_state, meta, out, self.native_chunk_size)
+        return out

@@ -100,16 +100,25 @@ def _initial_states(
     return states.masked_fill_(~has_init[:, None, None, None], 0.0)
 
 
+def decode_rows(
+    prepared: tuple[torch.Tensor, ...], pool: torch.Tensor, slots: torch.Tensor,
+    has_init: torch.Tensor,
+) -> torch.Tensor:
+    """One vectorised recurrent step of the decodes' prepared rows (q/k [n, Hv, Dk], v
+    [n, Hv, Dv], g/beta [n, Hv]) from and back into their pool slots -> o [n, Hv, Dv] fp32."""
+    states = _initial_states(pool, slots, has_init)
+    o, states = recurrent_step(states, *prepared)  # [num_decodes, Hv, Dv]
+    pool.index_copy_(0, slots, states.to(pool.dtype))
+    return o
+
+
 def recurrent_decode(
     qkvgb: tuple[torch.Tensor, ...], pool: torch.Tensor, meta: GDNMetadata, out: torch.Tensor
 ) -> None:
     """One vectorised recurrent step for every 1-token request."""
     rows = meta.decode_tokens
-    q, k, v, g, beta = (t.index_select(0, rows) for t in qkvgb)
-    states = _initial_states(pool, meta.decode_slots, meta.decode_has_init)
-    o, states = recurrent_step(states, q, k, v, g, beta)  # [num_decodes, Hv, Dv]
-    out.index_copy_(0, rows, o)
-    pool.index_copy_(0, meta.decode_slots, states.to(pool.dtype))
+    prepared = tuple(t.index_select(0, rows) for t in qkvgb)
+    out.index_copy_(0, rows, decode_rows(prepared, pool, meta.decode_slots, meta.decode_has_init))
 
 
 def chunked_prefill(

@@ -7,6 +7,7 @@
 //   read once for both products and rewritten once while it is still in L2.
 // gdn_conv_{f32,bf16}: the depthwise causal conv over a varlen batch, history read from and
 //   written back to the conv-state pool, without building the padded copy of the inputs.
+// gdn_chunk_{f32,bf16}: the chunked prefill (below, at chunk_task).
 // Maths and layouts as the reference (layers/recurrent/torch_ref.py, delta_rule.py).
 #include <algorithm>
 #include <cmath>
@@ -82,6 +83,293 @@ void conv(typename DT::T* out, const typename DT::T* x, int64_t x_stride, const 
   }
 }
 
+// ---- chunked prefill -------------------------------------------------------------------------
+// The chunked form of the gated delta rule (delta_rule.py's chunk_terms + chunk_scan), one task
+// per (prefill, value head), its chunks in order. Every product goes through one register-blocked
+// tile (`tile`); a task's working set (the 128 x 128 state, the chunk's q/k/v and its C x C
+// terms: ~200 KB at C = 32) stays in L2, and the state panel a column block of the scan works on
+// (Dk x 16 floats) in L1. No padding: the last chunk of a prefill has n <= C rows.
+
+// 8 floats (GCC/Clang vector extensions: one AVX2 register here, two NEON ones on Arm).
+typedef float vec8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+inline vec8 splat8(float x) { return vec8{x, x, x, x, x, x, x, x}; }
+
+// C[MR x 8NV] = alpha * Cin + A[MR x kk] . B[kk x 8NV] (row-major; Cin null: from zero). The
+// MR x NV accumulators stay in registers over the kk loop (6 x 2: 12 of AVX2's 16).
+template <int MR, int NV>
+inline void tile(int64_t kk, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                 int64_t ldc, const float* Cin, int64_t ldcin, float alpha) {
+  vec8 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = Cin ? splat8(alpha) * load8(Cin + r * ldcin + 8 * v) : splat8(0.0f);
+  for (int64_t k = 0; k < kk; ++k) {
+    vec8 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load8(B + k * ldb + 8 * v);
+    for (int r = 0; r < MR; ++r) {
+      const vec8 a = splat8(A[r * lda + k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) store8(C + r * ldc + 8 * v, acc[r][v]);
+}
+
+// C[m x n] = alpha * Cin + A[m x k] . B[k x n] for n a multiple of 8 (Cin may be C itself).
+// lower: A is lower triangular, so the rows i0.. of a block read only k < i0 + rows.
+// skip_upper: the blocks of C wholly above the diagonal (column > row) are not computed.
+struct Gemm {
+  const float* A;
+  int64_t lda;
+  const float* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+  const float* Cin = nullptr;
+  int64_t ldcin = 0;
+  float alpha = 1.0f;
+  bool lower = false, skip_upper = false;
+};
+
+template <int NV>
+void gemm_columns(const Gemm& g, int64_t m, int64_t k, int64_t j) {
+  constexpr int64_t kRows = 6;
+  for (int64_t i = 0; i < m; i += kRows) {
+    const int64_t mr = std::min(kRows, m - i);
+    if (g.skip_upper && j >= i + mr) continue;
+    const int64_t kk = g.lower ? std::min(k, i + mr) : k;
+    const float* A = g.A + i * g.lda;
+    float* C = g.C + i * g.ldc + j;
+    const float* Cin = g.Cin ? g.Cin + i * g.ldcin + j : nullptr;
+#define QS_TILE(R) tile<R, NV>(kk, A, g.lda, g.B + j, g.ldb, C, g.ldc, Cin, g.ldcin, g.alpha)
+    switch (mr) {
+      case 6: QS_TILE(6); break;
+      case 5: QS_TILE(5); break;
+      case 4: QS_TILE(4); break;
+      case 3: QS_TILE(3); break;
+      case 2: QS_TILE(2); break;
+      default: QS_TILE(1); break;
+    }
+#undef QS_TILE
+  }
+}
+
+void gemm(const Gemm& g, int64_t m, int64_t n, int64_t k) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) gemm_columns<2>(g, m, k, j);
+  if (j < n) gemm_columns<1>(g, m, k, j);  // n % 16 == 8
+}
+
+// One call: the prefills of a varlen step (sorted longest first, so that dynamic scheduling
+// starts the long tasks first). q, k [T, Hk, Dk] and v [T, Hv, Dv]: rows of the given strides,
+// heads contiguous; g, beta [T, Hv] contiguous f32; pool [S, Hv, Dk, Dv]; out [T, Hv, Dv].
+struct ChunkArgs {
+  const void *q, *k, *v;
+  int64_t q_stride, k_stride, v_stride;
+  const float *g, *beta;
+  void* pool;
+  void* out;
+  const int64_t *starts, *lens, *slots;
+  const uint8_t* has_init;
+  int64_t num_prefills, Hk, Hv, Dk, Dv, C;
+};
+
+// A task's buffers (floats), one set per thread, kept from call to call (`workspace`).
+struct Workspace {
+  std::vector<float> mem;
+  int64_t shape[3] = {0, 0, 0};
+  float *S, *K, *KT, *V, *X, *U, *O, *A, *T, *Tb, *Tw, *Att, *P, *Vn, *gam, *bet, *eg;
+  void resize(int64_t C, int64_t Dk, int64_t Dv) {
+    if (shape[0] == C && shape[1] == Dk && shape[2] == Dv) return;
+    shape[0] = C, shape[1] = Dk, shape[2] = Dv;
+    const int64_t sizes[] = {Dk * Dv, C * Dk, Dk * C, C * Dv, 2 * C * Dk, C * Dv, C * Dv,
+                             C * C,   C * C,  C * C,  C * C,  C * C,      2 * C * 16, C * 16,
+                             C,       C,      C};
+    float** ptrs[] = {&S, &K, &KT, &V, &X, &U, &O, &A, &T, &Tb, &Tw, &Att, &P, &Vn, &gam, &bet,
+                      &eg};
+    int64_t total = 16;  // room to start at a cache line; the sizes keep 32-byte alignment
+    for (int64_t n : sizes) total += n;
+    mem.assign(total, 0.0f);
+    float* p = mem.data() + (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64 / 4;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
+      *ptrs[i] = p;
+      p += sizes[i];
+    }
+  }
+};
+
+inline float sum8(vec8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// dst[0..n) = row[0..n) in f32 (a plain loop: the compiler vectorises the conversion).
+template <typename DT>
+inline void load_row(const typename DT::T* row, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = DT::load(row[d]);
+}
+
+// x[0..n) *= scale / sqrt(sum(x^2) + 1e-6): FLA's l2norm (eps inside the root), n % 8 == 0.
+inline void l2_normalise(float* x, int64_t n, float scale) {
+  vec8 sq = splat8(0.0f);
+  for (int64_t d = 0; d < n; d += 8) sq += load8(x + d) * load8(x + d);
+  const vec8 s = splat8(scale / std::sqrt(sum8(sq) + 1e-6f));
+  for (int64_t d = 0; d < n; d += 8) store8(x + d, load8(x + d) * s);
+}
+
+// Load the chunk's n <= C rows: q, k l2-normalised in f32 (q also scaled by Dk^-1/2), K and its
+// transpose KT, Q into X's rows n..2n-1 (below W, so that [W; Q] S is one product), V, the
+// in-chunk cumulative log decay gam and beta.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
+}
+
+// Rows are strided (the conv output's): row t of the next chunk is prefetched while row t of
+// this one is packed, so that its loads do not wait on memory.
+template <typename DT>
+void pack_chunk(const ChunkArgs& a, Workspace& w, int64_t t0, int64_t n, int64_t end,
+                int64_t h) {
+  const int64_t Dk = a.Dk, Dv = a.Dv, C = a.C, kh = h / (a.Hv / a.Hk);
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+  float* Q = w.X + n * Dk;
+  const auto* q = static_cast<const typename DT::T*>(a.q) + t0 * a.q_stride + kh * Dk;
+  const auto* k = static_cast<const typename DT::T*>(a.k) + t0 * a.k_stride + kh * Dk;
+  const auto* v = static_cast<const typename DT::T*>(a.v) + t0 * a.v_stride + h * Dv;
+  float gsum = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    float* qt = Q + t * Dk;
+    float* kt = w.K + t * Dk;
+    load_row<DT>(q + t * a.q_stride, qt, Dk);
+    load_row<DT>(k + t * a.k_stride, kt, Dk);
+    load_row<DT>(v + t * a.v_stride, w.V + t * Dv, Dv);
+    if (t0 + t + C < end) {
+      prefetch_row(q + (t + C) * a.q_stride, Dk);
+      prefetch_row(k + (t + C) * a.k_stride, Dk);
+      prefetch_row(v + (t + C) * a.v_stride, Dv);
+    }
+    l2_normalise(qt, Dk, q_scale);
+    l2_normalise(kt, Dk, 1.0f);
+    gsum += a.g[(t0 + t) * a.Hv + h];
+    w.gam[t] = gsum;
+    w.bet[t] = a.beta[(t0 + t) * a.Hv + h];
+    w.eg[t] = std::exp(gsum);
+  }
+  for (int64_t t = n; t < C; ++t) w.bet[t] = w.eg[t] = 0.0f;
+  for (int64_t d = 0; d < Dk; ++d)  // contiguous stores; the strided loads hit L1
+    for (int64_t t = 0; t < n; ++t) w.KT[d * C + t] = w.K[t * Dk + d];
+}
+
+// The chunk's own terms, with Γ_ij = exp(gam_i - gam_j):
+//   A = strict_lower(beta_i k_i.k_j Γ_ij),  T = (I + A)^-1 (forward substitution),
+//   U = T diag(beta) V,  W = T diag(beta exp(gam)) K  (into X's rows 0..n-1),
+//   Att = lower(q_i.k_j Γ_ij),  then Q *= exp(gam) and KT *= exp(gam_n - gam) in place.
+void chunk_terms(Workspace& w, int64_t n, int64_t C, int64_t Dk, int64_t Dv) {
+  float* Q = w.X + n * Dk;
+  gemm({w.K, Dk, w.KT, C, w.A, C, nullptr, 0, 1.0f, false, true}, n, C, Dk);
+  gemm({Q, Dk, w.KT, C, w.Att, C, nullptr, 0, 1.0f, false, true}, n, C, Dk);
+  for (int64_t i = 0; i < n; ++i) {
+    float* a = w.A + i * C;
+    float* att = w.Att + i * C;
+    for (int64_t j = 0; j < i; ++j) {
+      const float decay = std::exp(w.gam[i] - w.gam[j]);
+      a[j] *= w.bet[i] * decay;
+      att[j] *= decay;
+    }
+    std::fill(a + i, a + C, 0.0f);
+    std::fill(att + i + 1, att + C, 0.0f);
+  }
+  const int64_t nv = C / 8;
+  for (int64_t i = 0; i < n; ++i) {  // row i of T: e_i - sum_{j<i} A_ij T_j
+    float* ti = w.T + i * C;
+    std::fill(ti, ti + C, 0.0f);
+    for (int64_t j = 0; j < i; ++j) {
+      const vec8 s = splat8(w.A[i * C + j]);
+      const float* tj = w.T + j * C;
+      for (int64_t v = 0; v < nv; ++v) store8(ti + 8 * v, load8(ti + 8 * v) - s * load8(tj + 8 * v));
+    }
+    ti[i] = 1.0f;
+    for (int64_t c = 0; c < C; ++c) {
+      w.Tb[i * C + c] = ti[c] * w.bet[c];
+      w.Tw[i * C + c] = ti[c] * w.bet[c] * w.eg[c];
+    }
+  }
+  Gemm u{w.Tb, C, w.V, Dv, w.U, Dv};
+  u.lower = true;
+  gemm(u, n, Dv, n);
+  Gemm wk{w.Tw, C, w.K, Dk, w.X, Dk};
+  wk.lower = true;
+  gemm(wk, n, Dk, n);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < Dk; ++d) Q[t * Dk + d] *= w.eg[t];
+  const float last = w.gam[n - 1];
+  for (int64_t t = 0; t < n; ++t) {
+    const float kd = std::exp(last - w.gam[t]);
+    for (int64_t d = 0; d < Dk; ++d) w.KT[d * C + t] *= kd;
+  }
+}
+
+// Carry the state across the chunk, one column block of S (and of V, U, O) at a time: the
+// columns of the delta rule are independent, so a block's state panel stays in L1 for
+//   P = [W; Q] S,  Vn = U - P_w,  O = P_q + Att Vn,  S = exp(gam_n) S + KT Vn.
+void chunk_scan(Workspace& w, int64_t n, int64_t C, int64_t Dk, int64_t Dv) {
+  const float decay = std::exp(w.gam[n - 1]);
+  for (int64_t j = 0; j < Dv; j += 16) {
+    const int64_t width = std::min<int64_t>(16, Dv - j);
+    gemm({w.X, Dk, w.S + j, Dv, w.P, 16}, 2 * n, width, Dk);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < width; ++c) w.Vn[i * 16 + c] = w.U[i * Dv + j + c] - w.P[i * 16 + c];
+    Gemm o{w.Att, C, w.Vn, 16, w.O + j, Dv, w.P + n * 16, 16};
+    o.lower = true;
+    gemm(o, n, width, n);
+    gemm({w.KT, C, w.Vn, 16, w.S + j, Dv, w.S + j, Dv, decay}, Dk, width, n);
+  }
+}
+
+template <typename DT, typename PT>
+void chunk_task(const ChunkArgs& a, Workspace& w, int64_t r, int64_t h) {
+  const int64_t Dk = a.Dk, Dv = a.Dv, C = a.C;
+  typename PT::T* slot = static_cast<typename PT::T*>(a.pool) + (a.slots[r] * a.Hv + h) * Dk * Dv;
+  for (int64_t i = 0; i < Dk * Dv; ++i) w.S[i] = a.has_init[r] ? PT::load(slot[i]) : 0.0f;
+  auto* out = static_cast<typename DT::T*>(a.out);
+  for (int64_t c0 = 0; c0 < a.lens[r]; c0 += C) {
+    const int64_t n = std::min(C, a.lens[r] - c0), t0 = a.starts[r] + c0;
+    pack_chunk<DT>(a, w, t0, n, a.starts[r] + a.lens[r], h);
+    chunk_terms(w, n, C, Dk, Dv);
+    chunk_scan(w, n, C, Dk, Dv);
+    for (int64_t t = 0; t < n; ++t) {
+      typename DT::T* row = out + ((t0 + t) * a.Hv + h) * Dv;
+      for (int64_t d = 0; d < Dv; ++d) row[d] = DT::store(w.O[t * Dv + d]);
+    }
+  }
+  for (int64_t i = 0; i < Dk * Dv; ++i) slot[i] = PT::store(w.S[i]);
+}
+
+// This thread's workspace: fresh pages would cost a page fault each, on every call.
+Workspace& workspace(int64_t C, int64_t Dk, int64_t Dv) {
+  static thread_local Workspace w;
+  w.resize(C, Dk, Dv);
+  return w;
+}
+
+template <typename DT, typename PT>
+void chunk_prefill(const ChunkArgs& a) {
+#pragma omp parallel
+  {
+    Workspace& w = workspace(a.C, a.Dk, a.Dv);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < a.num_prefills * a.Hv; ++task)
+      chunk_task<DT, PT>(a, w, task / a.Hv, task % a.Hv);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -138,6 +426,18 @@ void gdn_conv_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, const flo
                    const float* bias, uint16_t* state, const int64_t* qsl, const int64_t* slots,
                    const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
   conv<BF16>(out, x, x_stride, weight_t, bias, state, qsl, slots, has_init, R, D, K, silu);
+}
+
+// The chunked prefill (ChunkArgs above). dtype: 0 f32, 1 bf16 (activations: q, k, v, out);
+// pool_dtype likewise for the state pool. Returns nonzero for a combination it does not build.
+int gdn_chunk(const ChunkArgs* args, int dtype, int pool_dtype) {
+  if (args->C % 8 || args->Dk % 8 || args->Dv % 8 || args->Hv % args->Hk) return 1;
+  if (dtype == 0 && pool_dtype == 0) chunk_prefill<F32, F32>(*args);
+  else if (dtype == 1 && pool_dtype == 0) chunk_prefill<BF16, F32>(*args);
+  else if (dtype == 0 && pool_dtype == 1) chunk_prefill<F32, BF16>(*args);
+  else if (dtype == 1 && pool_dtype == 1) chunk_prefill<BF16, BF16>(*args);
+  else return 1;
+  return 0;
 }
 
 }  // extern "C"

@@ -1,0 +1,234 @@
+// Fused elementwise kernels of a decoder layer on CPU: one pass over memory where PyTorch's
+// reference code makes three to six (each op reads and writes the whole tensor, and bf16 adds
+// a conversion pass per op).
+//
+//   rms_norm      [residual add +] RMSNorm over rows (plain w * x_hat, or zero-centred
+//                 x_hat * (1 + w)); rows addressed by two strides so per-head q/k norms
+//                 (Qwen3) read the heads in place in the fused qkv output
+//   silu_and_mul  silu(gate) * up from the merged [gate | up] projection
+//   rotary        NeoX rotary embedding of q and k in place, cos/sin looked up per token
+//
+// Each reproduces the reference's roundings: bf16 values are widened to fp32, and rounded back
+// to bf16 (nearest even, as torch) wherever the reference produces a bf16 tensor. fp32 results
+// equal the reference's up to summation order (the RMS) and expf's last bit (SiLU); rotary is
+// exact, since the library is built with -ffp-contract=off (no fused multiply-adds the
+// reference does not do). No -ffast-math: `omp simd` reductions vectorise without it.
+// Plain C++ over raw pointers, called through ctypes (see decode_attention.cpp).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline uint16_t bf16_bits(float x) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+// The value a T tensor holds for x: x itself in fp32, x rounded to bf16 in bf16.
+inline float round_to(float x, float) { return x; }
+inline float round_to(float x, uint16_t) { return to_float(bf16_bits(x)); }
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) { *dst = bf16_bits(x); }
+
+// Enough elements for a second thread to pay for waking it. A decode batch's norm (64 x 896)
+// stays on one thread: its ~30 us are less than what a fork/join can cost when the OpenMP
+// threads share their cores with other work (measured: 2 threads slower than 1 under load).
+constexpr int64_t kParallelMin = 1 << 17;
+
+// ---- RMSNorm ------------------------------------------------------------------------------
+// Row r = (i, j), i < n_outer, j < n_inner, starts at x + i * x_so + j * x_si (residual alike);
+// out and res_out are contiguous [n_outer * n_inner, h].
+template <typename T>
+void rms_norm_row(T* out, T* res_out, const T* x, const T* res, const T* w, int64_t h,
+                  float eps, bool zero_centred, float* buf) {
+  float ss = 0.f;
+  if (res != nullptr) {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < h; ++k) {
+      const float s = round_to(to_float(x[k]) + to_float(res[k]), T{});  // x + residual, in T
+      store(res_out + k, s);
+      buf[k] = s;
+      ss += s * s;
+    }
+  } else {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < h; ++k) {
+      buf[k] = to_float(x[k]);
+      ss += buf[k] * buf[k];
+    }
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  if (zero_centred) {  // (x_hat * (1 + w)) in fp32, rounded once
+#pragma omp simd
+    for (int64_t k = 0; k < h; ++k) store(out + k, buf[k] * inv * (1.f + to_float(w[k])));
+  } else {  // w * T(x_hat): the normalised row is a T tensor before the weight multiplies it
+#pragma omp simd
+    for (int64_t k = 0; k < h; ++k) store(out + k, to_float(w[k]) * round_to(buf[k] * inv, T{}));
+  }
+}
+
+template <typename T>
+void rms_norm(T* out, T* res_out, const T* x, const T* res, const T* w, int64_t n_outer,
+              int64_t n_inner, int64_t x_so, int64_t x_si, int64_t r_so, int64_t r_si,
+              int64_t h, float eps, bool zero_centred) {
+  const int64_t rows = n_outer * n_inner;
+#pragma omp parallel if (rows * h >= kParallelMin)
+  {
+    float* buf = new float[h];
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / n_inner, j = r % n_inner;
+      rms_norm_row(out + r * h, res == nullptr ? nullptr : res_out + r * h,
+                   x + i * x_so + j * x_si, res == nullptr ? nullptr : res + i * r_so + j * r_si,
+                   w, h, eps, zero_centred, buf);
+    }
+    delete[] buf;
+  }
+}
+
+// ---- SiLU and mul -------------------------------------------------------------------------
+// a * b + c, fused where the machine has FMA (SiLU's result is not bit-exact anyway; the
+// library's -ffp-contract=off keeps the other kernels exact).
+inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// expf to ~1 ulp in a form GCC vectorises (Cephes' polynomial; 2^n by exponent bits).
+inline float exp_approx(float x) {
+  const float hi = 88.3762626647949f, lo = -87.3365447504f;
+  const bool over = x > hi, under = x < lo;
+  x = over ? hi : (under ? lo : x);
+  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = madd(x, 1.44269504088896341f, magic) - magic;
+  float r = madd(n, -0.693359375f, x);
+  r = madd(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = madd(p, r, 1.3981999507e-3f);
+  p = madd(p, r, 8.3334519073e-3f);
+  p = madd(p, r, 4.1665795894e-2f);
+  p = madd(p, r, 1.6666665459e-1f);
+  p = madd(p, r, 5.0000001201e-1f);
+  p = madd(p * r, r, r + 1.f);
+  // 2^n as two factors: n reaches 128 at the top of the range, past float's exponent.
+  const int32_t ni = static_cast<int32_t>(n);
+  const int32_t n1 = ni >> 1, n2 = ni - n1;
+  const uint32_t b1 = static_cast<uint32_t>(n1 + 127) << 23, b2 = static_cast<uint32_t>(n2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, sizeof s1);
+  std::memcpy(&s2, &b2, sizeof s2);
+  const float e = p * s1 * s2;
+  return over ? INFINITY : (under ? 0.f : e);
+}
+
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter, int64_t x_stride) {
+#pragma omp parallel for schedule(static) if (rows * inter >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * x_stride;
+    const T* up = gate + inter;
+    T* o = out + r * inter;
+#pragma omp simd
+    for (int64_t k = 0; k < inter; ++k) {
+      const float g = to_float(gate[k]);
+      const float silu = round_to(g / (1.f + exp_approx(-g)), T{});  // silu(gate) is a T tensor
+      store(o + k, silu * to_float(up[k]));
+    }
+  }
+}
+
+// ---- Rotary -------------------------------------------------------------------------------
+// x [T, H, D] at x + t * stride + h * D; rotates dims [0, rot) of each head in place:
+//   x1' = x1 * c - x2 * s,  x2' = x2 * c + x1 * s   (halves of width rot / 2)
+// with c, s the fp32 table rows of the token's position rounded to T, and each product and the
+// sum rounded to T, as the reference's `rot * cos + rotate_half(rot) * sin` in T.
+template <typename T>
+void rotate_heads(T* x, int64_t heads, int64_t d, int64_t rot, const float* cos,
+                  const float* sin) {
+  const int64_t half = rot / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * d;
+#pragma omp simd
+    for (int64_t k = 0; k < half; ++k) {
+      const float x1 = to_float(xh[k]), x2 = to_float(xh[k + half]);
+      const float c1 = round_to(cos[k], T{}), s1 = round_to(sin[k], T{});
+      const float c2 = round_to(cos[k + half], T{}), s2 = round_to(sin[k + half], T{});
+      const float a1 = round_to(x1 * c1, T{}), b1 = round_to(-x2 * s1, T{});
+      const float a2 = round_to(x2 * c2, T{}), b2 = round_to(x1 * s2, T{});
+      store(xh + k, a1 + b1);
+      store(xh + k + half, a2 + b2);
+    }
+  }
+}
+
+template <typename T>
+int rotary(T* q, T* k, const int64_t* positions, const float* cos, const float* sin,
+           int64_t tokens, int64_t q_stride, int64_t k_stride, int64_t hq, int64_t hk,
+           int64_t d, int64_t rot, int64_t max_position) {
+  if (rot % 2 != 0 || rot > d) return 1;
+  for (int64_t t = 0; t < tokens; ++t)
+    if (positions[t] < 0 || positions[t] >= max_position) return 2;
+#pragma omp parallel for schedule(static) if (tokens * (hq + hk) * rot >= kParallelMin)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + positions[t] * rot;
+    const float* s = sin + positions[t] * rot;
+    rotate_heads(q + t * q_stride, hq, d, rot, c, s);
+    rotate_heads(k + t * k_stride, hk, d, rot, c, s);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+void rms_norm_f32(float* out, float* res_out, const float* x, const float* res, const float* w,
+                  int64_t n_outer, int64_t n_inner, int64_t x_so, int64_t x_si, int64_t r_so,
+                  int64_t r_si, int64_t h, float eps, int zero_centred) {
+  rms_norm(out, res_out, x, res, w, n_outer, n_inner, x_so, x_si, r_so, r_si, h, eps,
+           zero_centred != 0);
+}
+void rms_norm_bf16(uint16_t* out, uint16_t* res_out, const uint16_t* x, const uint16_t* res,
+                   const uint16_t* w, int64_t n_outer, int64_t n_inner, int64_t x_so,
+                   int64_t x_si, int64_t r_so, int64_t r_si, int64_t h, float eps,
+                   int zero_centred) {
+  rms_norm(out, res_out, x, res, w, n_outer, n_inner, x_so, x_si, r_so, r_si, h, eps,
+           zero_centred != 0);
+}
+
+void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t inter,
+                      int64_t x_stride) {
+  silu_and_mul(out, x, rows, inter, x_stride);
+}
+void silu_and_mul_bf16(uint16_t* out, const uint16_t* x, int64_t rows, int64_t inter,
+                       int64_t x_stride) {
+  silu_and_mul(out, x, rows, inter, x_stride);
+}
+
+// Each returns 0; 1 for an odd or too wide rotary_dim; 2 for a position outside the table.
+int rotary_f32(float* q, float* k, const int64_t* positions, const float* cos, const float* sin,
+               int64_t tokens, int64_t q_stride, int64_t k_stride, int64_t hq, int64_t hk,
+               int64_t d, int64_t rot, int64_t max_position) {
+  return rotary(q, k, positions, cos, sin, tokens, q_stride, k_stride, hq, hk, d, rot,
+                max_position);
+}
+int rotary_bf16(uint16_t* q, uint16_t* k, const int64_t* positions, const float* cos,
+                const float* sin, int64_t tokens, int64_t q_stride, int64_t k_stride, int64_t hq,
+                int64_t hk, int64_t d, int64_t rot, int64_t max_position) {
+  return rotary(q, k, positions, cos, sin, tokens, q_stride, k_stride, hq, hk, d, rot,
+                max_position);
+}
+
+}  // extern "C"

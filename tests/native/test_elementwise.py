@@ -1,0 +1,127 @@
+"""The fused elementwise kernels (native/csrc/elementwise.cpp) against the layers' PyTorch
+reference: RMSNorm with and without the residual add (plain and zero-centred), SiLU-and-mul and
+rotary, in fp32 and bf16, at odd sizes and on strided views as the model hands them over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from qwenserve.layers.activation import silu_and_mul
+from qwenserve.layers.norm import RMSNorm, ZeroCenteredRMSNorm
+from qwenserve.layers.rotary import RotaryEmbedding
+from qwenserve.native.kernels import elementwise
+
+KERNELS = elementwise()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler: nothing native to test")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _norms(cls, hidden: int, dtype: torch.dtype, seed: int) -> tuple[RMSNorm, RMSNorm]:
+    """The same norm twice: the reference (no kernels) and the fused one."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(hidden, generator=gen) * 0.5 + (0 if cls.zero_centred else 1)).to(dtype)
+    ref, fused = cls(hidden, 1e-6, dtype), cls(hidden, 1e-6, dtype, KERNELS)
+    ref.weight.data.copy_(weight)
+    fused.weight.data.copy_(weight)
+    return ref, fused
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: equal up to the RMS's summation order; bf16: at most one bf16 ulp apart."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.bfloat16:
+        ulp = want.float().abs().clamp_min(1e-30) * 2.0**-7
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [RMSNorm, ZeroCenteredRMSNorm])
+@pytest.mark.parametrize("rows,hidden", [(1, 7), (5, 37), (64, 896), (300, 129)])
+def test_add_rms_norm_matches_the_reference(dtype, cls, rows, hidden):
+    ref, fused = _norms(cls, hidden, dtype, seed=rows + hidden)
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    want, want_res = ref(x, residual)
+    got, got_res = fused(x, residual)
+    assert torch.equal(got_res, want_res)  # the add is one rounding either way
+    _assert_close(got, want)
+    _assert_close(fused(x), ref(x))
+    assert torch.equal(x, (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(
+        hidden)) * 3).to(dtype)), "the inputs were written to"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_head_norm_reads_strided_views_in_place(dtype):
+    """Qwen3's q/k norm: [T, H, D] views of the fused qkv output (token stride > H * D)."""
+    tokens, heads, head_dim, width = 9, 3, 40, 3 * 40 + 56
+    ref, fused = _norms(RMSNorm, head_dim, dtype, seed=1)
+    qkv = torch.randn(tokens, width, generator=torch.Generator().manual_seed(2)).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    assert not q.is_contiguous()
+    _assert_close(fused(q), ref(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 3), (7, 45), (64, 4864 // 8), (33, 1000)])
+def test_silu_and_mul_matches_the_reference(dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows * inter)
+    x = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    x[0, 0], x[-1, 1 % inter] = -100.0, 95.0  # exp's clamps: silu -> -0 and -> x
+    _assert_close(silu_and_mul(x, KERNELS), silu_and_mul(x.clone()))
+    strided = torch.randn(rows, 2 * inter + 5, generator=gen).to(dtype)[:, 3 : 3 + 2 * inter]
+    _assert_close(silu_and_mul(strided, KERNELS), silu_and_mul(strided.clone()))
+
+
+def test_silu_propagates_nan_and_inf():
+    x = torch.tensor([[float("nan"), float("inf"), float("-inf"), 1.0, 2.0, 3.0]])
+    got, want = silu_and_mul(x, KERNELS), silu_and_mul(x.clone())
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+def _rope_config(partial: float) -> tf.Qwen3Config:
+    return tf.Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=48, rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 1e6,
+                                                        "partial_rotary_factor": partial})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [48, 12])  # full, and Qwen3.5's quarter
+def test_rotary_in_place_equals_the_reference_bit_for_bit(dtype, rotary_dim):
+    """On q/k views of a fused qkv output, as the attention layer hands them over."""
+    config = _rope_config(rotary_dim / 48)
+    ref = RotaryEmbedding(config, 48, rotary_dim, 512)
+    fused = RotaryEmbedding(config, 48, rotary_dim, 512, KERNELS)
+    tokens = 37
+    qkv = torch.randn(tokens, (4 + 2 + 2) * 48, generator=torch.Generator().manual_seed(3))
+    qkv = (qkv * 2).to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(4))
+    q, k = qkv[:, : 4 * 48].view(tokens, 4, 48), qkv[:, 4 * 48 : 6 * 48].view(tokens, 2, 48)
+    want_q, want_k = ref(positions, q.clone(), k.clone())
+    got_q, got_k = fused(positions, q, k)
+    assert got_q.data_ptr() == qkv.data_ptr(), "rotated in place"
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_rotary_refuses_positions_beyond_the_table():
+    fused = RotaryEmbedding(_rope_config(1.0), 48, 48, 16, KERNELS)
+    q, k = torch.randn(2, 4, 48), torch.randn(2, 2, 48)
+    with pytest.raises(IndexError, match="outside the table of 16"):
+        fused(torch.tensor([3, 16]), q, k)
+
+
+def test_unsupported_inputs_run_the_reference():
+    """fp16 and non-unit inner strides: the layers fall back to the PyTorch code."""
+    ref, fused = _norms(RMSNorm, 16, torch.float16, seed=5)
+    x = torch.randn(4, 16).half()
+    assert torch.equal(fused(x), ref(x))
+    x32 = torch.randn(16, 4).t()  # last dim strided
+    ref32, fused32 = _norms(RMSNorm, 16, torch.float32, seed=5)
+    assert not KERNELS.supports(x32)
+    assert torch.equal(fused32(x32), ref32(x32))
