@@ -38,7 +38,8 @@ def test_every_token_reward_matches_the_reference(reward_path):
     # LLM.reward: raw by default (vLLM 0.32), sigmoid with use_activation
     raw = llm.reward([{"prompt_token_ids": PROMPTS[1]}])[0].pooled
     act = llm.reward([{"prompt_token_ids": PROMPTS[1]}], use_activation=True)[0].pooled
-    assert raw == outs[1].pooled
+    # one prompt alone runs other GEMM kernels than the batch (skinny rows): equal to rounding
+    torch.testing.assert_close(torch.tensor(raw), torch.tensor(outs[1].pooled), atol=1e-5, rtol=1e-5)
     assert [a for (a,) in act] == pytest.approx([1 / (1 + math.exp(-r)) for (r,) in raw],
                                                 rel=1e-6)
     with pytest.raises(ValueError, match="Unsupported task: 'embed'"):
