@@ -63,6 +63,7 @@ def offline(args: argparse.Namespace, model: str, env: dict[str, str]) -> float:
 def start_server(cmd: list[str], env: dict[str, str], port: int, log: str) -> subprocess.Popen:
     import httpx
 
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)  # --log-dir may be new
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 1800
