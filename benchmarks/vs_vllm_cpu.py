@@ -119,11 +119,10 @@ def serve_round(system: str, path: str, args: argparse.Namespace) -> dict[str, d
         max_model_len=1024, max_num_seqs=256, dtype=args.dtype, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len)
     port = vs.free_port()
-    flags = [*vs.engine_flags(serve_args, path), "--host", "127.0.0.1", "--port", str(port),
-             "--disable-log-requests"]
-    if system == "qwenserve":
+    flags = [*vs.engine_flags(serve_args, path), "--host", "127.0.0.1", "--port", str(port)]
+    if system == "qwenserve":  # vLLM 0.32 logs no requests by default (its flag is gone)
         cmd = [sys.executable, "-m", "qwenserve.entrypoints.cli", "serve", *flags,
-               "--disable-uvicorn-access-log"]
+               "--disable-log-requests", "--disable-uvicorn-access-log"]
     else:
         cmd = [args.vllm_python, args.vllm_cli, "serve", *flags]
     env = bench_env(args.threads, system)
