@@ -106,3 +106,13 @@ def run_in_subprocess(script: str, *args: str, timeout: float = 7200) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def cpu_model() -> str:
+    """The CPU's model name (figures are quoted with it: AVX2, AVX512-BF16 and AMX differ)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        "unknown CPU")
+    except OSError:
+        return "unknown CPU"

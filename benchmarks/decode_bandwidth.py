@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN25_05B, random_model  # noqa: E402
+from common import QWEN25_05B, cpu_model, random_model  # noqa: E402
 from int8_decode import MAX_MODEL_LEN  # noqa: E402
 
 
@@ -129,11 +129,6 @@ def main() -> None:
     print("tok/s ratios vs fp32 native: " + ", ".join(
         f"{name} {base / statistics.median(steps[name]):.2f}x" for name in names[1:]))
 
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                    "unknown CPU")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ it): ``torch._int_mm`` (oneDNN) and the native kernel, against fp32 oneDNN on th
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -28,6 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.native.kernels import gemv
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import cpu_model  # noqa: E402
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
           "lm_head": (151936, 896)}  # name: (N out, K in)
@@ -122,11 +127,6 @@ def main() -> None:
             gflops = flops / min(best.values()) / 1e9
             print(f"| {name} | {m} | " + " | ".join(cells) + f" | {gflops:.1f} |", flush=True)
 
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                    "unknown CPU")
 
 
 if __name__ == "__main__":

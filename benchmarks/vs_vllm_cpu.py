@@ -204,7 +204,7 @@ def main() -> None:
         print(RESULT_MARKER + json.dumps(fn(args.model, args)), flush=True)
         return
     sys.path.insert(0, HERE)
-    from common import shaped_model
+    from common import cpu_model, shaped_model
 
     path = shaped_model(args.shape)
     if args.served:
@@ -228,16 +228,6 @@ def main() -> None:
     else:
         offline_table(results)
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
