@@ -71,10 +71,7 @@ def test_mtp_server_greedy_equal_and_metrics(tiny_model, tmp_path):
         streamed = "".join(c.choices[0].text for c in
                            client.completions.create(**body, stream=True) if c.choices)
         assert streamed == whole.choices[0].text
-        metrics = srv.get("/metrics").text
-        drafts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                  if line.startswith("vllm:spec_decode_num_drafts_total")]
-        assert drafts and drafts[0] > 0
+        assert drafts_counted(srv) > 0
     finally:
         srv.stop()
 
@@ -104,9 +101,13 @@ def test_mtp_server_at_tp2_streams_chat(tiny_model, tmp_path):
             temperature=0, stream=True, extra_body={"ignore_eos": True})
         chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert "".join(chunks) == expected[0].outputs[0].text
-        metrics = srv.get("/metrics").text
-        drafts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                  if line.startswith("vllm:spec_decode_num_drafts_total")]
-        assert drafts and drafts[0] > 0
+        assert drafts_counted(srv) > 0
     finally:
         srv.stop()
+
+
+def drafts_counted(srv: RemoteServer) -> float:
+    """``vllm:spec_decode_num_drafts_total`` as the server's /metrics reports it (0 if absent)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in srv.get("/metrics").text.splitlines()
+              if line.startswith("vllm:spec_decode_num_drafts_total")]
+    return values[0] if values else 0.0
