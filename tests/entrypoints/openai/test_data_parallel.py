@@ -15,21 +15,11 @@ import psutil
 import pytest
 from oai_server import RemoteServer, free_port
 
+from helpers.dp_serving import per_engine
+
 ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "16M",
         "--max-num-batched-tokens", "256"]
 PROMPTS = [f"Replica test {i}: the quick brown fox" for i in range(8)]
-
-
-def per_engine(server: RemoteServer, name: str, **labels: str) -> dict[str, float]:
-    """``{engine: value}`` of one metric family's samples matching ``labels``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(server.get("/metrics").text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
-    return out
 
 
 def _engine_pids(server: RemoteServer) -> list[int]:

@@ -1,20 +1,24 @@
 """Data parallelism with expert parallelism on real processes (``--data-parallel-size 2
 --enable-expert-parallel``): two engine-core replicas form one MoE group (each holds half the
 experts) and step together, an idle replica running dummy steps. Greedy outputs equal one
-device's, with requests on both replicas at once and with one replica idle; the same across a
-head and a ``--headless`` node (the group meets over TCP)."""
+device's, with requests on both replicas at once and with one replica idle.
+
+The replicas run on a head and a ``--headless`` node (the group meets over TCP), the layout with
+the most moving parts; two replicas under one server form the same group in
+``test_data_parallel_spec.py`` (with speculation, at TP 2). One server for the module: starting
+the processes is what costs time."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 
 import psutil
 import pytest
-from oai_server import RemoteServer, free_port
+from oai_server import free_port
+
+from helpers.dp_serving import complete_at_once, dp_server, one_engine_reference, per_engine
 
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16M",
         "--max-num-batched-tokens", "64", "--data-parallel-size", "2",
@@ -27,82 +31,47 @@ def moe_path(tiny_model) -> str:
 
 
 @pytest.fixture(scope="module")
-def dpep_server(moe_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("dpep") / "serve.log"
-    server = RemoteServer([moe_path, *ARGS], log, env={"QWENSERVE_SERVER_DEV_MODE": "1"})
-    yield server
-    server.stop(signal.SIGTERM)
-
-
-def _complete(server: RemoteServer, prompt: list[int], max_tokens: int) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    r = server.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def _reference(path: str, prompts: list[list[int]], max_tokens: list[int]) -> list[str]:
-    from qwenserve import LLM, SamplingParams
-
-    llm = LLM(path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                         for n in max_tokens])
-    llm.llm_engine.shutdown()
-    return [o.outputs[0].text for o in outs]
-
-
-def test_two_replicas_one_moe_group_equal_one_device(dpep_server, moe_path):
-    pids = [c.pid for c in psutil.Process(dpep_server.proc.pid).children()
-            if "qwenserve.engine.core_proc" in " ".join(c.cmdline())]
-    assert len(pids) == 2
-    prompts = [[5, 17, 99, 3], list(range(10, 60)), [7, 300, 12], [42] * 9]
-    max_tokens = [12, 3, 8, 1]  # replicas finish at different steps: one idles, one steps
-    got = [""] * len(prompts)
-
-    def one(i: int) -> None:
-        got[i] = _complete(dpep_server, prompts[i], max_tokens[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    lone = _complete(dpep_server, prompts[0], 6)  # alone: the other replica runs dummy steps
-    want = _reference(moe_path, [*prompts, prompts[0]], [*max_tokens, 6])
-    assert [*got, lone] == want
-    done = [line for line in dpep_server.get("/metrics").text.splitlines()
-            if line.startswith("vllm:request_success_total{")]
-    for engine in ("0", "1"):  # both replicas served some of it
-        assert any(f'engine="{engine}"' in line and not line.endswith(" 0.0") for line in done)
-
-
-def test_a_headless_node_joins_the_moe_group(moe_path, tmp_path):
-    port = free_port()
+def head_and_node(moe_path, tmp_path_factory):
+    """A head serving rank 0 and a headless node running rank 1; yields (head, node, node log).
+    The node may start first: it waits for the head."""
+    logs = tmp_path_factory.mktemp("dpep")
     flags = [*ARGS, "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-             "--data-parallel-rpc-port", str(port)]
-    node_log = tmp_path / "node.log"
-    with open(node_log, "w") as log:  # the node may start first: it waits for the head
+             "--data-parallel-rpc-port", str(free_port())]
+    node_log = logs / "node.log"
+    with open(node_log, "w") as log:
         node = subprocess.Popen([sys.executable, "-m", "qwenserve.entrypoints.cli", "serve",
                                  moe_path, *flags, "--headless", "--data-parallel-start-rank",
                                  "1"], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "QWENSERVE_LOGGING_LEVEL": "INFO"})
     try:
-        head = RemoteServer([moe_path, *flags], tmp_path / "head.log")
-        try:
-            prompts, max_tokens = [[5, 17, 99, 3], [7, 300, 12]], [7, 2]
-            got = [""] * 2
-            threads = [threading.Thread(target=lambda i=i: got.__setitem__(
-                i, _complete(head, prompts[i], max_tokens[i]))) for i in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=120)
-            assert got == _reference(moe_path, prompts, max_tokens)
-        finally:
-            assert head.stop() == 0, head.log()[-3000:]
-        assert node.wait(timeout=60) == 0, node_log.read_text()[-3000:]  # stopped with the head
+        head = dp_server(moe_path, flags, logs / "head.log")
+        yield head, node, node_log
+        head.stop()
     finally:
         if node.poll() is None:
             node.kill()
             node.wait()
+
+
+def test_two_replicas_one_moe_group_equal_one_device(head_and_node, moe_path):
+    head = head_and_node[0]
+    assert "Data-parallel rank 1 joined" in head.log()
+    pids = [c.pid for c in psutil.Process(head.proc.pid).children()
+            if "qwenserve.engine.core_proc" in " ".join(c.cmdline())]
+    assert len(pids) == 1  # the other replica runs under the node
+    prompts = [[5, 17, 99, 3], list(range(10, 60)), [7, 300, 12], [42] * 9]
+    max_tokens = [12, 3, 8, 1]  # replicas finish at different steps: one idles, one steps
+    got = complete_at_once(head, prompts, max_tokens)
+    lone = complete_at_once(head, [prompts[0]], [6])  # the other replica runs dummy steps
+    want = one_engine_reference(moe_path, [*prompts, prompts[0]], [*max_tokens, 6], 256)
+    assert [*got, *lone] == want
+    done = per_engine(head, "vllm:request_success_total")
+    assert set(done) == {"0", "1"} and all(done.values()), done  # both replicas served some
+
+
+def test_stopping_the_head_stops_the_node(head_and_node):
+    """Last in the module: SIGTERM to the head drains it, and the head tells the node's engine
+    to stop, so the node exits cleanly too."""
+    head, node, node_log = head_and_node
+    assert head.stop() == 0, head.log()[-3000:]
+    assert node.wait(timeout=60) == 0, node_log.read_text()[-3000:]

@@ -14,12 +14,16 @@ engine's without speculation."""
 from __future__ import annotations
 
 import json
-import signal
-import threading
 
 import pytest
-from oai_server import RemoteServer
 
+from helpers.dp_serving import (
+    complete_at_once,
+    dp_server,
+    one_engine_reference,
+    per_engine,
+    stop_cleanly,
+)
 from helpers.tiny_models import add_mtp_head
 
 # disable_by_batch_size 2: a replica with 2 requests drafts nothing while one with 1 drafts, so
@@ -40,65 +44,29 @@ def moe_mtp_path(tiny_model) -> str:
 @pytest.fixture(scope="module")
 def reference(moe_mtp_path) -> list[str]:
     """One engine, no speculation: the prompts, then PROMPTS[0] again alone (6 tokens)."""
-    from qwenserve import LLM, SamplingParams
-
-    llm = LLM(moe_mtp_path, dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS, PROMPTS[0]]],
-                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                         for n in [*MAX_TOKENS, 6]])
-    llm.llm_engine.shutdown()
-    return [o.outputs[0].text for o in outs]
+    return one_engine_reference(moe_mtp_path, [*PROMPTS, PROMPTS[0]], [*MAX_TOKENS, 6], 128)
 
 
-def _complete(server: RemoteServer, prompt: list[int], max_tokens: int) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    r = server.post("/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def _served(server: RemoteServer) -> list[str]:
-    """The prompts at once (both replicas busy, then one), then one request alone."""
-    got = [""] * len(PROMPTS)
-
-    def one(i: int) -> None:
-        got[i] = _complete(server, PROMPTS[i], MAX_TOKENS[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=150)
-    assert not any(t.is_alive() for t in threads), "a request hung: the replicas' passes " \
-        "diverged\n" + server.log()[-3000:]
-    return [*got, _complete(server, PROMPTS[0], 6)]  # alone: the other replica idles
-
-
-def _per_engine(server: RemoteServer, name: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(server.get("/metrics").text):
-        for s in family.samples:
-            if s.name == name:
-                out[s.labels["engine"]] = out.get(s.labels["engine"], 0.0) + s.value
-    return out
-
-
-@pytest.mark.parametrize("extra", [["--enable-expert-parallel"], [],
-                                   ["--enable-expert-parallel", "--tensor-parallel-size", "2"]],
-                         ids=["dp_ep", "dp", "dp_ep_tp2"])
+# dp_ep_tp2 runs every mechanism here (one MoE group over the replicas, the padded passes, the
+# head sharded) and is the only DP x TP case: CI runs it alone. dp_ep (the same at TP 1) and dp
+# (replicas that never meet: speculation per engine is test_server_spec_decode.py's, DP routing
+# test_data_parallel.py's) each start 3 more processes: under QWENSERVE_RUN_BENCHMARKS=1.
+@pytest.mark.parametrize("extra", [
+    pytest.param(["--enable-expert-parallel"], id="dp_ep", marks=pytest.mark.benchmark),
+    pytest.param([], id="dp", marks=pytest.mark.benchmark),
+    pytest.param(["--enable-expert-parallel", "--tensor-parallel-size", "2"], id="dp_ep_tp2")])
 def test_mtp_with_data_parallelism_equals_one_engine(moe_mtp_path, reference, tmp_path, extra):
     """dp_ep_tp2: 2 replicas x 2 tensor-parallel ranks, the head sharded on both ranks of each
     replica, its experts over all 4."""
-    flags = [*ARGS, *extra]
-    server = RemoteServer([moe_mtp_path, *flags], tmp_path / "serve.log",
-                          env={"QWENSERVE_SERVER_DEV_MODE": "1"})
+    server = dp_server(moe_mtp_path, [*ARGS, *extra], tmp_path / "serve.log")
     try:
-        assert _served(server) == reference
-        done = _per_engine(server, "vllm:request_success_total")
-        drafts = _per_engine(server, "vllm:spec_decode_num_drafts_total")
+        # the prompts at once (both replicas busy, then one), then one alone (the other idles)
+        served = [*complete_at_once(server, PROMPTS, MAX_TOKENS),
+                  *complete_at_once(server, [PROMPTS[0]], [6])]
+        assert served == reference
+        done = per_engine(server, "vllm:request_success_total")
+        drafts = per_engine(server, "vllm:spec_decode_num_drafts_total")
         assert set(done) == {"0", "1"} and all(done.values()), done  # both replicas served
         assert sum(drafts.values()) > 0, drafts
     finally:
-        assert server.stop(signal.SIGTERM) == 0, server.log()[-3000:]
+        stop_cleanly(server)
