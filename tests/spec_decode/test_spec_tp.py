@@ -58,18 +58,24 @@ def run_tp2(path: str, spec: dict, per_pos: bool = False) -> tuple[int, int, int
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe",
+@pytest.mark.parametrize("arch", ["qwen3_5",
+                                  pytest.param("qwen3_5_moe", marks=pytest.mark.benchmark),
                                   pytest.param("qwen3_next", marks=pytest.mark.benchmark)])
 def test_mtp(tiny_model, arch):
     """(Qwen3-Next's head is Qwen3.5-MoE's class: under QWENSERVE_RUN_BENCHMARKS=1, for CI
-    time, as in test_mtp.py.)"""
+    time, as in test_mtp.py. So is Qwen3.5-MoE's at TP 2: the lock-step and the hybrid rollback
+    on both ranks are the dense case's, and its MoE head runs sharded at TP 2 in CI in
+    test_data_parallel_spec.py[dp_ep_tp2].)"""
     path = add_mtp_head(tiny_model(arch, mtp_num_hidden_layers=1))
     run_tp2(path, {"method": f"{'qwen3_next' if arch == 'qwen3_next' else 'qwen3_5'}_mtp",
                    "num_speculative_tokens": K})
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", [pytest.param("qwen3", marks=pytest.mark.benchmark),
+                                  "qwen3_moe"])
 def test_eagle3(tiny_model, tmp_path_factory, arch):
+    """The MoE target with auxiliary layers and ``norm_before_residual`` in CI; the dense
+    target (the same head and lock-step, fewer options) under QWENSERVE_RUN_BENCHMARKS=1."""
     if arch == "qwen3":
         target, aux = tiny_model("qwen3", num_hidden_layers=4), None
     else:

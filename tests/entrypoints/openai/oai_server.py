@@ -41,7 +41,10 @@ class RemoteServer:
         env: dict[str, str] | None = None,
         api_key: str | None = None,
         ready_timeout_s: float = 180,
+        wait: bool = True,
     ) -> None:
+        """``wait=False`` returns once the process is spawned: start several servers, then
+        ``wait_ready()`` on each, and their start-ups (imports, model loads) overlap."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -55,9 +58,10 @@ class RemoteServer:
         full_env = {**os.environ, "QWENSERVE_LOGGING_LEVEL": "INFO", **(env or {})}
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-        self._wait_ready(ready_timeout_s)
+        if wait:
+            self.wait_ready(ready_timeout_s)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -19,9 +19,10 @@ PROMPTS = ["Hello", "The capital of France is", "def add(a, b):", "你好"]
 
 
 def _start(model: str, log_dir) -> RemoteServer:
+    """Spawned, not yet ready (``wait_ready()``): the module's two servers start together."""
     return RemoteServer([model, "--api-server-count", "2", "--dtype", "float32",
                          "--max-model-len", "256", "--kv-cache-memory-bytes", "16M",
-                         "--shutdown-timeout", "20"], log_dir / "serve.log")
+                         "--shutdown-timeout", "20"], log_dir / "serve.log", wait=False)
 
 
 def _children(srv: RemoteServer) -> list[int]:
@@ -52,10 +53,25 @@ def _wait_gone(pids: list[int], timeout_s: float = 15) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_path, tmp_path_factory):
+def servers(tiny_model_path, tmp_path_factory):
+    """Two servers, started together so their start-ups overlap: the one most tests share, and
+    one for the test that kills an API process."""
     srv = _start(tiny_model_path, tmp_path_factory.mktemp("multi-api"))
-    yield srv
-    srv.stop()
+    try:
+        doomed = _start(tiny_model_path, tmp_path_factory.mktemp("multi-api-doomed"))
+        try:
+            srv.wait_ready()
+            doomed.wait_ready()
+            yield srv, doomed
+        finally:
+            doomed.stop()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def served(servers):
+    return servers[0]
 
 
 async def _ask_all(srv: RemoteServer, model: str, n: int) -> list[tuple[str, str, int]]:
@@ -118,8 +134,8 @@ def test_same_request_id_in_both_processes(served):
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
 
 
-def test_a_dying_api_process_takes_the_server_down(tiny_model_path, tmp_path):
-    srv = _start(tiny_model_path, tmp_path)
+def test_a_dying_api_process_takes_the_server_down(servers):
+    srv = servers[1]
     children = _children(srv)
     os.kill(children[1], signal.SIGKILL)
     assert srv.proc.wait(timeout=60) == 1

@@ -17,31 +17,45 @@ TEXTS = ["Hello world! How are you today?", "The capital of France is Paris."]
 
 
 @pytest.fixture(scope="module")
-def embedder(tmp_path_factory):
-    path = make_tiny_embedding(str(tmp_path_factory.mktemp("emb") / "qwen3-embedding"))
+def pooling_servers(tmp_path_factory):
+    """Both servers, started together so their start-ups overlap: (embedder, reranker), each
+    (model path, server)."""
+    emb_path = make_tiny_embedding(str(tmp_path_factory.mktemp("emb") / "qwen3-embedding"))
+    rr_path = make_tiny_reranker(str(tmp_path_factory.mktemp("rr") / "qwen3-reranker"))
     # Qwen3-Embedding.md's Atlas 300I command, with float32 for an exact comparison
-    srv = RemoteServer([path, "--served-model-name", "Qwen/Qwen3-Embedding-0.6B",
+    emb = RemoteServer([emb_path, "--served-model-name", "Qwen/Qwen3-Embedding-0.6B",
                         "--compilation-config", '{"cudagraph_capture_sizes": [1024,512]}',
                         "--additional-config",
                         '{"ascend_compilation_config": {"fuse_norm_quant": false}}',
                         "--runner", "pooling", "--dtype", "float32", "--max-model-len", "1024",
                         "--kv-cache-memory-bytes", "32M", "--max-sequences-per-request", "3"],
-                       tmp_path_factory.mktemp("emb-log") / "server.log")
-    yield path, srv
-    srv.stop()
+                       tmp_path_factory.mktemp("emb-log") / "server.log", wait=False)
+    try:
+        rr = RemoteServer([rr_path, "--served-model-name", "Qwen/Qwen3-Reranker-0.6B",
+                           "--runner", "pooling", "--hf_overrides",
+                           json.dumps(RERANKER_OVERRIDES), "--dtype", "float32",
+                           "--max-model-len", "1024", "--kv-cache-memory-bytes", "32M",
+                           "--max-num-seqs", "2", "--max-queued-sequences", "1",
+                           "--max-sequences-per-request", "4"],
+                          tmp_path_factory.mktemp("rr-log") / "server.log", wait=False)
+        try:
+            emb.wait_ready()
+            rr.wait_ready()
+            yield (emb_path, emb), (rr_path, rr)
+        finally:
+            rr.stop()
+    finally:
+        emb.stop()
 
 
 @pytest.fixture(scope="module")
-def reranker(tmp_path_factory):
-    path = make_tiny_reranker(str(tmp_path_factory.mktemp("rr") / "qwen3-reranker"))
-    srv = RemoteServer([path, "--served-model-name", "Qwen/Qwen3-Reranker-0.6B", "--runner",
-                        "pooling", "--hf_overrides", json.dumps(RERANKER_OVERRIDES),
-                        "--dtype", "float32", "--max-model-len", "1024",
-                        "--kv-cache-memory-bytes", "32M", "--max-num-seqs", "2",
-                        "--max-queued-sequences", "1", "--max-sequences-per-request", "4"],
-                       tmp_path_factory.mktemp("rr-log") / "server.log")
-    yield path, srv
-    srv.stop()
+def embedder(pooling_servers):
+    return pooling_servers[0]
+
+
+@pytest.fixture(scope="module")
+def reranker(pooling_servers):
+    return pooling_servers[1]
 
 
 def hf_embeddings(path: str, texts: list[str]) -> torch.Tensor:

@@ -47,10 +47,16 @@ def test_greedy_equal_streamed_and_metrics(spec_server, tiny_model_path):
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in metrics
 
 
+@pytest.mark.benchmark
 def test_mtp_server_greedy_equal_and_metrics(tiny_model, tmp_path):
     """vLLM Ascend's form, '{"method": "qwen3_5_mtp", "num_speculative_tokens": 3,
     "enforce_eager": true}', on a tiny Qwen3.5 with an MTP head: the same text as the offline
-    engine without speculation, streamed too, and the drafts counted in /metrics."""
+    engine without speculation, streamed too, and the drafts counted in /metrics.
+
+    Under QWENSERVE_RUN_BENCHMARKS=1 (one server start less in CI): MTP through the server is
+    test_mtp_server_at_tp2_streams_chat's (streamed, text equal, drafts counted), whole vs
+    streamed with speculation test_greedy_equal_streamed_and_metrics', MTP at TP 1 offline
+    tests/spec_decode/test_mtp.py's."""
     from helpers.tiny_models import add_mtp_head
 
     path = add_mtp_head(tiny_model("qwen3_5", mtp_num_hidden_layers=1))
