@@ -25,20 +25,33 @@ def pd_model(tiny_model) -> str:
 
 
 @pytest.fixture(scope="session")
-def producer(pd_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("producer") / "serve.log"
-    srv = RemoteServer(serve_args(pd_model, "kv_producer", free_port(), "prefill-0"), log)
-    yield srv
-    srv.stop()
+def pd_pair(pd_model, tmp_path_factory):
+    """(producer, consumer), started together so their start-ups overlap."""
+    producer = RemoteServer(serve_args(pd_model, "kv_producer", free_port(), "prefill-0"),
+                            tmp_path_factory.mktemp("producer") / "serve.log", wait=False)
+    try:
+        consumer = RemoteServer(serve_args(pd_model, "kv_consumer", free_port(), "decode-0"),
+                                tmp_path_factory.mktemp("consumer") / "serve.log",
+                                env={"QWENSERVE_KV_PULL_TIMEOUT_S": PULL_TIMEOUT_S},
+                                wait=False)
+        try:
+            producer.wait_ready()
+            consumer.wait_ready()
+            yield producer, consumer
+        finally:
+            consumer.stop()
+    finally:
+        producer.stop()
 
 
 @pytest.fixture(scope="session")
-def consumer(pd_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("consumer") / "serve.log"
-    srv = RemoteServer(serve_args(pd_model, "kv_consumer", free_port(), "decode-0"), log,
-                       env={"QWENSERVE_KV_PULL_TIMEOUT_S": PULL_TIMEOUT_S})
-    yield srv
-    srv.stop()
+def producer(pd_pair):
+    return pd_pair[0]
+
+
+@pytest.fixture(scope="session")
+def consumer(pd_pair):
+    return pd_pair[1]
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,33 @@ import time
 
 import httpx
 import psutil
+import pytest
 from oai_server import RemoteServer
 
 ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "16M",
         "--max-num-batched-tokens", "64"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path, tmp_path_factory):
+    """Each test's own server (each breaks its engine), started together so their start-ups
+    overlap: {"killed", "keep_alive", "threads"}."""
+    envs = {"killed": {},
+            "keep_alive": {"QWENSERVE_KEEP_ALIVE_ON_ENGINE_DEATH": "1",
+                           "QWENSERVE_SERVER_DEV_MODE": "1"},
+            "threads": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+    started: dict[str, RemoteServer] = {}
+    try:
+        for name, env in envs.items():
+            started[name] = RemoteServer([tiny_model_path, *ARGS],
+                                         tmp_path_factory.mktemp(name) / "serve.log",
+                                         env=env, wait=False)
+        for srv in started.values():
+            srv.wait_ready()
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop(signal.SIGKILL)
 
 
 def _engine_pid(server: RemoteServer) -> int:
@@ -55,8 +78,8 @@ def _wait_streaming(server: RemoteServer) -> None:
     raise AssertionError("no request started")
 
 
-def test_engine_killed_under_load_server_exits_nonzero(tmp_path, tiny_model_path):
-    server = RemoteServer([tiny_model_path, *ARGS], tmp_path / "serve.log")
+def test_engine_killed_under_load_server_exits_nonzero(servers):
+    server = servers["killed"]
     try:
         results: list = []
         threads = _load(server, results)
@@ -75,10 +98,8 @@ def test_engine_killed_under_load_server_exits_nonzero(tmp_path, tiny_model_path
     assert len(results) == 4 and all(any("error" in line.lower() for line in r) for r in results)
 
 
-def test_keep_alive_on_engine_death_answers_503_and_never_hangs(tmp_path, tiny_model_path):
-    server = RemoteServer([tiny_model_path, *ARGS], tmp_path / "serve.log",
-                          env={"QWENSERVE_KEEP_ALIVE_ON_ENGINE_DEATH": "1",
-                               "QWENSERVE_SERVER_DEV_MODE": "1"})
+def test_keep_alive_on_engine_death_answers_503_and_never_hangs(servers):
+    server = servers["keep_alive"]
     try:
         results: list = []
         threads = _load(server, results)
@@ -120,9 +141,8 @@ def test_engine_start_failure_is_one_clear_line(tmp_path):
     assert "no-such-model" in errors[0] and "Traceback" not in proc.stderr
 
 
-def test_thread_topology_serves(tmp_path, tiny_model_path):
-    server = RemoteServer([tiny_model_path, *ARGS], tmp_path / "serve.log",
-                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+def test_thread_topology_serves(servers):
+    server = servers["threads"]
     try:
         assert not psutil.Process(server.proc.pid).children()
         r = server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5,
