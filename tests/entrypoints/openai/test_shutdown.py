@@ -45,7 +45,24 @@ def _start(tmp_path_factory, name: str, timeout_s: float, model: str) -> RemoteS
             "64",
         ],
         tmp_path_factory.mktemp(name) / "serve.log",
+        wait=False,
     )
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_model_path):
+    """Each test's own server (each stops it), started together so their start-ups overlap:
+    "drain" (a 30 s grace period) and "abort" (0.2 s)."""
+    started: dict[str, RemoteServer] = {}
+    try:
+        for name, grace_s in (("drain", 30), ("abort", 0.2)):
+            started[name] = _start(tmp_path_factory, name, grace_s, tiny_model_path)
+        for srv in started.values():
+            srv.wait_ready()
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop(signal.SIGKILL)
 
 
 def _run_stream_then_signal(server: RemoteServer, max_tokens: int, sig: int) -> dict:
@@ -64,8 +81,8 @@ def _run_stream_then_signal(server: RemoteServer, max_tokens: int, sig: int) -> 
     return result
 
 
-def test_sigterm_lets_the_running_stream_finish(tmp_path_factory, tiny_model_path):
-    server = _start(tmp_path_factory, "drain", 30, tiny_model_path)
+def test_sigterm_lets_the_running_stream_finish(servers):
+    server = servers["drain"]
     try:
         result = _run_stream_then_signal(server, 500, signal.SIGTERM)
     finally:
@@ -78,10 +95,10 @@ def test_sigterm_lets_the_running_stream_finish(tmp_path_factory, tiny_model_pat
     assert "Received SIGTERM" in server.log()
 
 
-def test_sigint_past_the_grace_period_aborts_and_exits_0(tmp_path_factory, tiny_model_path):
+def test_sigint_past_the_grace_period_aborts_and_exits_0(servers):
     """Requests still open after the grace period end cleanly: a stream with an error event and
     ``[DONE]``, a non-streaming request with a 503 JSON body; the log names the shutdown."""
-    server = _start(tmp_path_factory, "abort", 0.2, tiny_model_path)
+    server = servers["abort"]
     plain: dict = {}
 
     def post() -> None:
