@@ -35,10 +35,17 @@ struct Candidate {
   int64_t index;
 };
 
+// 32 running maxima (four vectors, independent chains: a single max chain waits on its latency).
 float row_max(const float* x, int64_t n) {
+  constexpr int64_t kLanes = 32;
+  float acc[kLanes];
+  for (float& a : acc) a = kNegInf;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] = acc[l] > x[j + l] ? acc[l] : x[j + l];
   float m = kNegInf;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  for (; j < n; ++j) m = m > x[j] ? m : x[j];
+  for (float a : acc) m = m > a ? m : a;
   return m;
 }
 
