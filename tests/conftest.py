@@ -25,6 +25,23 @@ def tiny_model(tmp_path_factory):
     return build
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """One torch thread in the pytest process (yields the default it replaced). The models run
+    here are tiny: a second thread only adds fork/join and spin time, and on a busy 2-core CI
+    host each multi-threaded op waits for its worker to be scheduled (measured on the loaded
+    2-core VM, tests/models/test_parity.py -k "qwen3_5_moe or qwen2-": 23 s of CPU and 52 s wall
+    with one thread, 208 s and 426 s with two). Spawned servers and ranks keep their own
+    settings (this sets no ``OMP_NUM_THREADS``); a module running a real model takes the
+    default back (tests/entrypoints/test_llm_default_model.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield before
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip device tests when the device is absent, and benchmark-sized runs (soak, sweeps)
     unless ``QWENSERVE_RUN_BENCHMARKS=1``: CI runs their smaller versions."""

