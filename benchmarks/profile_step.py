@@ -8,6 +8,7 @@ attention and the sampler by the code region it runs in (``record_function`` lab
 the rest by the op's name. What the ops do not cover is Python/scheduler overhead.
 
     PYTHONPATH=src python benchmarks/profile_step.py --shape qwen2.5-0.5b --dtype float32
+        [--native-gemm-min-rows 0]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bm
 LABELS = ("lm_head", "attention", "sampler")
 # ctypes kernels show no torch op: their label's time goes to the elementwise bucket
 ELEMENTWISE_LABEL = "fused elementwise"
+GEMM_LABEL = "native gemm"  # csrc/gemv.cpp and csrc/sgemm.cpp (ctypes): the GEMM bucket
 
 
 def _label(fn, name: str):
@@ -57,6 +59,10 @@ def instrument() -> None:
 
     for name in ("rms_norm", "silu_and_mul", "rotary"):
         setattr(Elementwise, name, _label(getattr(Elementwise, name), ELEMENTWISE_LABEL))
+    from qwenserve.native.kernels import Gemv, Sgemm
+
+    for cls in (Gemv, Sgemm):
+        cls.__call__ = _label(cls.__call__, GEMM_LABEL)
 
 
 def top_level(prof):
@@ -78,7 +84,7 @@ def breakdown(prof, wall_s: float, other_ops: dict[str, float]) -> dict[str, flo
         elif ev.name == ELEMENTWISE_LABEL:
             out["norms/elementwise/other ops"] += seconds
             other_ops[ev.name] += seconds
-        elif ev.name in GEMM_OPS:
+        elif ev.name in GEMM_OPS or ev.name == GEMM_LABEL:
             out["gemm"] += seconds
         else:
             out["norms/elementwise/other ops"] += seconds
@@ -95,7 +101,14 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled of each kind")
+    p.add_argument("--native-gemm-min-rows", type=int, default=None,
+                   help="override CpuPlatform.native_gemm_min_rows (0: the blocked native fp32 "
+                        "GEMM off, for a before/after)")
     args = p.parse_args()
+    if args.native_gemm_min_rows is not None:
+        from qwenserve.platforms.cpu import CpuPlatform
+
+        CpuPlatform.native_gemm_min_rows = args.native_gemm_min_rows
 
     import torch
     from common import shaped_model

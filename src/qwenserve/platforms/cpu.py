@@ -68,6 +68,9 @@ class CpuPlatform(Platform):
     # oneDNN's CPU time per shape at 1-4 rows on the AVX2 EPYC (docs/benchmarks.md, "GEMM
     # routes"); from 8 rows oneDNN's blocked kernel wins.
     skinny_gemm_max_rows = 4
+    # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
+    # place): MEASURED_PLACEHOLDER
+    native_gemm_min_rows = 8
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
 
