@@ -69,7 +69,8 @@ class CpuPlatform(Platform):
     # routes"); from 8 rows oneDNN's blocked kernel wins.
     skinny_gemm_max_rows = 4
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
-    # place): MEASURED_PLACEHOLDER
+    # place): 1.1-2.1x oneDNN's CPU time on every model shape at 8-2048 rows on the AVX2 EPYC,
+    # 0.91-1.21x at 6 (docs/benchmarks.md, "Issue 19: native fp32 GEMM").
     native_gemm_min_rows = 8
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
