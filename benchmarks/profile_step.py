@@ -121,7 +121,8 @@ def main() -> None:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     vocab = llm.llm_engine.config.model.hf_config.vocab_size
-    for i, prompt in enumerate(workload()[: args.requests]):
+    prompts = workload(argparse.Namespace(input_len=PROMPT_LEN, num_prompts=args.requests))
+    for i, prompt in enumerate(prompts):
         engine.add_request(str(i), [t % vocab for t in prompt], params)
     times: dict[str, list[float]] = {"prefill": [], "decode": []}
     profiled: dict[str, list] = {"prefill": [], "decode": []}

@@ -13,8 +13,8 @@
 // block, which amortises the scalar stores over KC k steps.
 //
 // Blocking: K in blocks of at most KC_MAX (a 6 x KC weight panel stays in L1 while it meets every
-// x panel of an MC-row block, from L2/L3); threads split the weight's row panels (each thread
-// reads its own rows of W, both share the packed x), inside one parallel region per call. While a
+// x panel of an MC-row block, from L2/L3); threads split the weight's row panels, and each packs
+// the x block it works on itself (no barrier: one parallel region per call, one join). While a
 // panel's first tile runs, the next panel's weight rows are prefetched: at 16-64 rows of x that
 // hid most of the weight's memory latency (1.1-1.2x), and the hardware prefetcher alone did not.
 // KC 1024 and MC 512 measured best of 256-1024 / 64-512 on the model's shapes (AVX2 EPYC).
@@ -142,7 +142,7 @@ inline void tile(const float* const w[MR], const float* xp, int64_t kc, float* c
 
 #endif
 
-struct Buffer {  // the packed x, kept between calls of one thread (grown, never shrunk)
+struct Buffer {  // one thread's packed x block, kept between calls (grown, never shrunk)
   float* data = nullptr;
   int64_t size = 0;
   ~Buffer() { std::free(data); }
@@ -179,49 +179,54 @@ int sgemm_f32(float* y, const float* x, const float* w, const float* bias, int64
   (void)y, (void)x, (void)w, (void)bias;
   return 2;
 #else
-  static thread_local Buffer buffer;
   const int64_t panels_m = (M + NR - 1) / NR, panels_n = (N + MR - 1) / MR;
-  float* xp = buffer.get(panels_m * NR * K);
-  if (xp == nullptr) return 3;
   const int64_t kc_max = k_block(K);
   const int64_t panels_mc = MC / NR;
+  int status = 0;
 #pragma omp parallel
   {
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels_m; ++p) pack_panel(xp + p * NR * K, x, ldx, p, M, K);
-    // (the loop's barrier: every thread reads all of the packed x)
+    // Each thread packs the x block it works on into its own buffer (cores have private L2s,
+    // so a shared copy would be copied into each anyway): no barrier inside the region.
+    static thread_local Buffer buffer;
+    float* xp = buffer.get(std::min(panels_m, panels_mc) * NR * kc_max);
     const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t per = panels_n / threads, extra = panels_n % threads;
     const int64_t pn0 = tid * per + std::min(tid, extra);
     const int64_t pn1 = pn0 + per + (tid < extra ? 1 : 0);
-    for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+    if (xp == nullptr) {
+#pragma omp atomic write
+      status = 3;
+    }
+    for (int64_t k0 = 0; xp != nullptr && pn0 < pn1 && k0 < K; k0 += kc_max) {
       const int64_t kc = std::min(kc_max, K - k0);
       const bool first = k0 == 0;
       for (int64_t pm0 = 0; pm0 < panels_m; pm0 += panels_mc) {
         const int64_t pm1 = std::min(panels_m, pm0 + panels_mc);
+        for (int64_t pm = pm0; pm < pm1; ++pm)
+          pack_panel(xp + (pm - pm0) * NR * kc, x + k0, ldx, pm, M, kc);
         for (int64_t pn = pn0; pn < pn1; ++pn) {
           const int64_t n0 = pn * MR, rows_n = std::min(MR, N - n0);
           const float* wr[MR];
           for (int64_t i = 0; i < MR; ++i) wr[i] = w + (n0 + std::min(i, rows_n - 1)) * K + k0;
           const float* b = bias ? bias + n0 : nullptr;
           // the next panel's weight rows start coming in during this panel's first tile
-          const int64_t nn0 = std::min(n0 + MR, N - 1);
           const float* next[MR];
-          for (int64_t i = 0; i < MR; ++i) next[i] = w + std::min(nn0 + i, N - 1) * K + k0;
+          for (int64_t i = 0; i < MR; ++i) next[i] = w + std::min(n0 + MR + i, N - 1) * K + k0;
           for (int64_t pm = pm0; pm < pm1; ++pm) {
             const int64_t m0 = pm * NR;
+            const float* xpm = xp + (pm - pm0) * NR * kc;
             if (pm == pm0)
-              tile<true>(wr, xp + pm * NR * K + k0 * NR, kc, y + m0 * N + n0, N, rows_n,
-                         std::min(NR, M - m0), b, first, next);
+              tile<true>(wr, xpm, kc, y + m0 * N + n0, N, rows_n, std::min(NR, M - m0), b,
+                         first, next);
             else
-              tile<false>(wr, xp + pm * NR * K + k0 * NR, kc, y + m0 * N + n0, N, rows_n,
-                          std::min(NR, M - m0), b, first, next);
+              tile<false>(wr, xpm, kc, y + m0 * N + n0, N, rows_n, std::min(NR, M - m0), b,
+                          first, next);
           }
         }
       }
     }
   }
-  return 0;
+  return status;
 #endif
 }
 
