@@ -66,7 +66,7 @@ class CpuPlatform(Platform):
     default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
     # Decode-sized fp32 GEMMs (1-4 rows) stream the weight once in native/csrc/gemv.cpp: 1.0-1.7x
     # oneDNN's CPU time per shape at 1-4 rows on the AVX2 EPYC (docs/benchmarks.md, "GEMM
-    # routes"); from 8 rows oneDNN's blocked kernel wins.
+    # routes"); from 8 rows the blocked GEMM below wins.
     skinny_gemm_max_rows = 4
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
     # place): 1.1-2.1x oneDNN's CPU time on every model shape at 8-2048 rows on the AVX2 EPYC,
@@ -74,6 +74,9 @@ class CpuPlatform(Platform):
     native_gemm_min_rows = 8
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
+    # The draw in native/csrc/sampling.cpp: PyTorch's sorts and noises the whole vocabulary,
+    # 0.5-4.6 s a step at 64 rows of a 152k vocabulary here (docs/benchmarks.md).
+    default_sampling_backend = "cpu_native"
 
     @classmethod
     def is_available(cls) -> bool:
