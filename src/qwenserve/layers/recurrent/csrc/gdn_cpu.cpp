@@ -57,6 +57,10 @@ inline vec8 splat8(float x) { return vec8{x, x, x, x, x, x, x, x}; }
 
 typedef int32_t ivec8 __attribute__((vector_size(32)));
 
+inline float sum8(vec8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
 // e^x for 8 floats at once: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
 // polynomial), within 2 ulp of expf over [-87.3, 88.37]. Below, x is clamped to -87.3 (e^x stays
 // a normal float; the callers only add 1 to it); above 88.37 the result is +inf (as expf's from
@@ -169,7 +173,11 @@ void gated_rms_norm(typename DT::T* out, const typename DT::T* x, const typename
         bx[c] = DT::load(xr[c]);
         bg[c] = DT::load(gr[c]);
       }
-      for (int64_t c = 0; c < h; ++c) ss += bx[c] * bx[c];
+      int64_t c8 = 0;  // 8 partial sums: a scalar chain does not vectorise without fast-math
+      vec8 sq = splat8(0.0f);
+      for (; c8 + 8 <= h; c8 += 8) sq += load8(bx.data() + c8) * load8(bx.data() + c8);
+      ss = sum8(sq);
+      for (; c8 < h; ++c8) ss += bx[c8] * bx[c8];
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
       for (int64_t c = 0; c < h; ++c) bx[c] = DT::round(DT::load(w[c]) * DT::round(bx[c] * inv));
       silu_inplace(bg.data(), h);
@@ -289,10 +297,6 @@ struct Workspace {
     }
   }
 };
-
-inline float sum8(vec8 x) {
-  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-}
 
 // dst[0..n) = row[0..n) in f32 (a plain loop: the compiler vectorises the conversion).
 template <typename DT>
