@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.sampling_reference import reference_probs
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.worker.sampler import SamplingRow, sample
 
@@ -31,28 +32,6 @@ ROWS = [
     dict(temperature=1.3, min_p=0.1, top_p=0.9),
     dict(temperature=0.8),
 ]
-
-
-def reference_probs(logits: np.ndarray, p: dict) -> np.ndarray:
-    """vLLM's order: temperature, then min_p on the scaled distribution, then top_k, then
-    top_p over what top_k kept (renormalised), keeping the smallest set of most likely tokens
-    whose mass reaches top_p."""
-    z = logits.astype(np.float64) / p["temperature"]
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    keep = np.ones_like(probs, dtype=bool)
-    if p.get("min_p"):
-        keep &= probs >= p["min_p"] * probs.max()
-    order = np.argsort(-np.where(keep, probs, -1.0), kind="stable")  # most likely first
-    if p.get("top_k"):
-        keep[order[p["top_k"]:]] = False
-    if p.get("top_p", 1.0) < 1.0:
-        kept = np.where(keep, probs, 0.0)
-        mass = np.cumsum(kept[order]) / kept.sum()
-        size = int(np.searchsorted(mass, p["top_p"])) + 1  # first index where mass >= top_p
-        keep[order[size:]] = False
-    out = np.where(keep, probs, 0.0)
-    return out / out.sum()
 
 
 def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -83,8 +62,21 @@ def logits() -> torch.Tensor:
     return torch.stack(rows)  # [R, V]
 
 
+@pytest.fixture(scope="module", params=["torch", "native"])
+def kernel(request):
+    """The PyTorch draw, and the platform's native one (csrc/sampling.cpp) where it builds."""
+    if request.param == "torch":
+        return None
+    from qwenserve.native.kernels import sampling
+
+    native = sampling()
+    if native is None:
+        pytest.skip("native sampling kernel not built here (no compiler or QWENSERVE_NATIVE=0)")
+    return native
+
+
 @pytest.fixture(scope="module")
-def counts(logits) -> np.ndarray:
+def counts(logits, kernel) -> np.ndarray:
     """Draw counts [R, V] from DRAWS mixed batches, each row once per batch, plus a greedy row."""
     params = [SamplingParams(max_tokens=1, **p) for p in ROWS] + [SamplingParams(temperature=0)]
     rows = [SamplingRow(sp, [1], [], None) for sp in params]
@@ -93,7 +85,8 @@ def counts(logits) -> np.ndarray:
     draws = np.zeros((len(ROWS), VOCAB), dtype=np.int64)
     # one call with DRAWS copies of the mixed batch: rows of different parameters side by side
     tiled = batch.repeat(DRAWS, 1)
-    tokens = [t.token_id for t in sample(tiled, rows * DRAWS, default_generator=gen)]
+    tokens = [t.token_id for t in sample(tiled, rows * DRAWS, default_generator=gen,
+                                          kernel=kernel)]
     per_batch = np.array(tokens).reshape(DRAWS, len(params))
     assert (per_batch[:, -1] == int(logits[0].argmax())).all()  # greedy row: always the argmax
     for r in range(len(ROWS)):

@@ -53,6 +53,27 @@ def get_elementwise_kernels(name: str) -> ElementwiseKernels | None:
     raise ValueError(f"unknown elementwise backend {name!r}; known: torch_ref, cpu_native")
 
 
+class SamplingKernel(Protocol):
+    """The sampler's draw (``native.kernels.Sampling`` on CPU): greedy or temperature, min_p,
+    top_k, top_p and one caller-given uniform per row. The sampler runs its PyTorch draw for
+    logits ``supports`` refuses."""
+
+    def supports(self, logits: torch.Tensor) -> bool: ...
+
+    def draw(self, logits: torch.Tensor, temperature: list[float], top_k: list[int],
+             top_p: list[float], min_p: list[float], uniform: torch.Tensor) -> torch.Tensor: ...
+
+
+def get_sampling_kernel(name: str) -> SamplingKernel | None:
+    """The draw called ``name``: None for ``torch_ref`` and where the native one cannot be
+    built (no compiler, ``QWENSERVE_NATIVE=0``: logged once)."""
+    if name == "torch_ref":
+        return None
+    if name == "cpu_native":
+        return native_kernels.sampling()
+    raise ValueError(f"unknown sampling backend {name!r}; known: torch_ref, cpu_native")
+
+
 @dataclass(frozen=True)
 class Backends:
     attention: AttentionBackend  # paged attention layers
@@ -61,6 +82,7 @@ class Backends:
     int8_mm: Int8Matmul  # INT8 W8A8 linear layers (quantized checkpoints, --quantization int8)
     # RMSNorm (+ residual add), SiLU-and-mul and rotary of the decoder layers; None: PyTorch's
     elementwise: ElementwiseKernels | None = None
+    sampling: SamplingKernel | None = None  # the sampler's draw; None: PyTorch's
 
     @classmethod
     def for_platform(cls, platform: Platform) -> Backends:
@@ -71,6 +93,7 @@ class Backends:
                                           platform.skinny_gemm_max_rows),
             int8_mm=Int8Matmul(platform),
             elementwise=get_elementwise_kernels(platform.default_elementwise_backend),
+            sampling=get_sampling_kernel(platform.default_sampling_backend),
         )
 
     @classmethod

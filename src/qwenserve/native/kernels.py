@@ -207,3 +207,43 @@ def elementwise() -> Elementwise | None:
                        cflags=(*DEFAULT_CFLAGS, "-fno-math-errno", "-fno-trapping-math",
                                "-ffp-contract=off"))
     return None if lib is None else Elementwise(lib)
+
+
+class Sampling:
+    """``csrc/sampling.cpp``: one draw per row of fp32 logits (greedy, or temperature, min_p,
+    top_k and top_p with a caller-given uniform per row), reading the logits in place."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.sample_rows_f32
+        self._fn.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _P]
+        self._fn.restype = ctypes.c_int
+
+    def supports(self, logits: torch.Tensor) -> bool:
+        return (logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2
+                and logits.stride(1) == 1 and logits.shape[1] > 0)
+
+    def draw(self, logits: torch.Tensor, temperature: list[float], top_k: list[int],
+             top_p: list[float], min_p: list[float], uniform: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] int64. Per row: temperature (0: greedy), top_k (0:
+        off), top_p (1: off), min_p (0: off); ``uniform`` [B] float64 in [0, 1)."""
+        rows = logits.shape[0]
+        assert len(temperature) == len(top_k) == len(top_p) == len(min_p) == rows
+        assert uniform.dtype == torch.float64 and uniform.shape == (rows,)
+        temps = torch.tensor(temperature, dtype=torch.float32)
+        ks = torch.tensor(top_k, dtype=torch.int64)
+        ps = torch.tensor(top_p, dtype=torch.float32)
+        mins = torch.tensor(min_p, dtype=torch.float32)
+        u = uniform.contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        if self._fn(out.data_ptr(), logits.data_ptr(), rows, logits.shape[1], logits.stride(0),
+                    temps.data_ptr(), ks.data_ptr(), ps.data_ptr(), mins.data_ptr(),
+                    u.data_ptr()):
+            raise ValueError(f"sample_rows: unsupported logits of shape {tuple(logits.shape)}")
+        return out
+
+
+def sampling() -> Sampling | None:
+    """The sampling kernel, or None (logged) where it cannot be built."""
+    lib = load_library("qwenserve_sampling", [os.path.join(CSRC, "sampling.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
+    return None if lib is None else Sampling(lib)

@@ -23,6 +23,7 @@ class Platform(ABC):
     # RMSNorm / SiLU-and-mul / rotary: "torch_ref" (the layers' PyTorch code) or "cpu_native"
     # (native/csrc/elementwise.cpp); layers/backends.py
     default_elementwise_backend: ClassVar[str] = "torch_ref"
+    default_sampling_backend: ClassVar[str] = "torch_ref"  # the sampler's draw
     default_block_size: ClassVar[int] = 16
     # GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
     # (native/csrc/gemv.cpp, which streams the weight once) where it builds; 0: never.

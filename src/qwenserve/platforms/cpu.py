@@ -70,6 +70,9 @@ class CpuPlatform(Platform):
     skinny_gemm_max_rows = 4
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
+    # The draw in native/csrc/sampling.cpp: PyTorch's sorts and noises the whole vocabulary,
+    # 0.5-4.6 s a step at 64 rows of a 152k vocabulary here (docs/benchmarks.md).
+    default_sampling_backend = "cpu_native"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -70,6 +70,7 @@ class ModelRunner:
         self.attn_backend = backends.attention
         # Models with Gated DeltaNet layers get the recurrent kernels' metadata each step.
         self.recurrent_backend = backends.recurrent if has_state else None
+        self.sampling_kernel = backends.sampling
         self.block_size = block_size
         self.device = device
         self.is_driver = is_driver
@@ -235,7 +236,8 @@ class ModelRunner:
             rows = [self._sampling_row(c.request_id) for c in chunks]
             bitmask = None if self.grammars is None else self.grammars.bitmask(
                 [c.request_id for c in chunks], logits.shape[1])
-            return [[t] for t in sample(logits, rows, self.generator, bitmask)]
+            return [[t] for t in sample(logits, rows, self.generator, bitmask,
+                                        self.sampling_kernel)]
         rows, row_ids, drafts = [], [], []
         for c in chunks:
             draft = c.token_ids[len(c.token_ids) - c.num_draft_tokens:]

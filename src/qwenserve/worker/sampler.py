@@ -5,6 +5,11 @@ allowed_token_ids, bad_words, logit_bias), the structured-output token bitmask, 
 greedy rows take the argmax; the others are scaled by temperature, truncated by min_p, top_k and top_p, and
 drawn with the exponential race ``argmax(p / E)``, E ~ Exp(1). A request with a ``seed`` draws its
 E from its own generator, so its samples do not depend on what else is in the batch.
+
+A platform's ``SamplingKernel`` (``native/csrc/sampling.cpp`` on CPU) replaces the draw: the same
+truncations, then an inverse-CDF search with one uniform per row from the same generators, reading
+the logits in place (the PyTorch draw sorts and noises the whole vocabulary: seconds per step at
+64 rows of a 152k vocabulary on a small CPU, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from qwenserve.core.sched_output import SampledToken
+from qwenserve.layers.backends import SamplingKernel
 from qwenserve.sampling_params import SamplingParams
 
 
@@ -29,12 +35,34 @@ class SamplingRow:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None,
-           bitmask: torch.Tensor | None = None) -> list[SampledToken]:
+           bitmask: torch.Tensor | None = None,
+           kernel: SamplingKernel | None = None) -> list[SampledToken]:
     """logits [B, V] float32 -> one SampledToken per row. ``bitmask`` [B, ceil(V / 32)] int32:
-    the grammar's allowed tokens per row (all ones for rows without a grammar)."""
+    the grammar's allowed tokens per row (all ones for rows without a grammar). ``kernel``: the
+    platform's draw, for the logits it ``supports``."""
     logprobs, logits = process_logits(logits, rows, bitmask)
-    token_ids = _choose(logits, rows, default_generator)
+    if kernel is not None and kernel.supports(logits):
+        token_ids = _draw_with_kernel(kernel, logits, rows, default_generator)
+    else:
+        token_ids = _choose(logits, rows, default_generator)
     return package(token_ids, logprobs, rows)
+
+
+def _draw_with_kernel(kernel: SamplingKernel, logits: torch.Tensor, rows: list[SamplingRow],
+                      default_generator: torch.Generator | None) -> torch.Tensor:
+    """One uniform per random row: seeded rows from their own generator, the rest in one call."""
+    params = [r.params for r in rows]
+    uniform = torch.zeros(len(rows), dtype=torch.float64)
+    shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+    if shared:
+        uniform[shared] = torch.rand(len(shared), dtype=torch.float64,
+                                     generator=default_generator)
+    for i, r in enumerate(rows):
+        if not r.params.greedy and r.generator is not None:
+            uniform[i] = torch.rand(1, dtype=torch.float64, generator=r.generator)
+    return kernel.draw(logits, [0.0 if p.greedy else p.temperature for p in params],
+                       [p.top_k for p in params], [p.top_p for p in params],
+                       [p.min_p for p in params], uniform)
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
@@ -44,6 +72,8 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     the bitmask and the penalties): everything before the draw, shared with the speculative
     verifier (``spec_decode/rejection.py``)."""
     logprobs = _logprobs(logits, rows)
+    if not _edits_logits(rows, bitmask):
+        return logprobs, logits  # the draw only reads them: no copy of [B, V]
     logits = logits.clone()
     _mask_stop_tokens(logits, rows)
     apply_logits_processors(logits, rows)
@@ -51,6 +81,18 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
         apply_token_bitmask(logits, bitmask)
     _apply_penalties(logits, rows)
     return logprobs, logits
+
+
+def _edits_logits(rows: list[SamplingRow], bitmask: torch.Tensor | None) -> bool:
+    """Whether a processor, the bitmask or a penalty will write into the logits."""
+    if bitmask is not None:
+        return True
+    for r in rows:
+        p = r.params
+        if (p.allowed_token_ids or p.bad_words_token_ids or p.logit_bias or p.has_penalties
+                or (len(r.output_token_ids) < p.min_tokens and p.all_stop_token_ids)):
+            return True
+    return False
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -96,43 +98,6 @@ void rms_norm(T* out, T* res_out, const T* x, const T* res, const T* w, int64_t 
 }
 
 // ---- SiLU and mul -------------------------------------------------------------------------
-// a * b + c, fused where the machine has FMA (SiLU's result is not bit-exact anyway; the
-// library's -ffp-contract=off keeps the other kernels exact).
-inline float madd(float a, float b, float c) {
-#ifdef __FMA__
-  return __builtin_fmaf(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-// expf to ~1 ulp in a form GCC vectorises (Cephes' polynomial; 2^n by exponent bits).
-inline float exp_approx(float x) {
-  const float hi = 88.3762626647949f, lo = -87.3365447504f;
-  const bool over = x > hi, under = x < lo;
-  x = over ? hi : (under ? lo : x);
-  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = madd(x, 1.44269504088896341f, magic) - magic;
-  float r = madd(n, -0.693359375f, x);
-  r = madd(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = madd(p, r, 1.3981999507e-3f);
-  p = madd(p, r, 8.3334519073e-3f);
-  p = madd(p, r, 4.1665795894e-2f);
-  p = madd(p, r, 1.6666665459e-1f);
-  p = madd(p, r, 5.0000001201e-1f);
-  p = madd(p * r, r, r + 1.f);
-  // 2^n as two factors: n reaches 128 at the top of the range, past float's exponent.
-  const int32_t ni = static_cast<int32_t>(n);
-  const int32_t n1 = ni >> 1, n2 = ni - n1;
-  const uint32_t b1 = static_cast<uint32_t>(n1 + 127) << 23, b2 = static_cast<uint32_t>(n2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &b1, sizeof s1);
-  std::memcpy(&s2, &b2, sizeof s2);
-  const float e = p * s1 * s2;
-  return over ? INFINITY : (under ? 0.f : e);
-}
-
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter, int64_t x_stride) {
 #pragma omp parallel for schedule(static) if (rows * inter >= kParallelMin)
