@@ -160,9 +160,12 @@ def main() -> int:
     tokens = args.requests * args.output_tokens
     print(f"{args.requests} streams x {args.prompt_tokens} prompt + {args.output_tokens} output "
           f"tokens: {steps:.0f} engine steps, {chunks} SSE chunks, {wall_s:.1f} s wall")
+    # A reader that falls behind gets several steps' tokens as one chunk (fewer, larger
+    # chunks), and the steps depend on how the requests arrived: compare per token and chunk.
     for name, cpu_s in (("API process", api_s), ("engine process", engine_s)):
         print(f"{name:>15}: {cpu_s:6.2f} s CPU = {1e3 * cpu_s / steps:6.2f} ms per step, "
-              f"{1e6 * cpu_s / tokens:6.1f} us per output token")
+              f"{1e6 * cpu_s / tokens:6.1f} us per output token, "
+              f"{1e6 * cpu_s / max(chunks, 1):6.1f} us per SSE chunk")
     for name, path, _ in spies:
         print(f"\n{name}: top self time (share of samples)")
         for frame, share in _top_self(path, 25):
