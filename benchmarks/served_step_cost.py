@@ -24,7 +24,6 @@ import collections
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,18 +33,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tiny_model(folder: str) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers.tiny_models import make_tiny_model
-
-    return make_tiny_model("qwen2", os.path.join(folder, "tiny-qwen2"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port, tiny_qwen2  # noqa: E402
 
 
 def _metric(base: str, name: str) -> float:
@@ -102,8 +91,8 @@ def main() -> int:
     args = parser.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or _tiny_model(tmp)
-        port = _free_port()
+        model = args.model or tiny_qwen2(tmp)
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "QWENSERVE_CPU_OMP_THREADS_BIND": "nobind"}
         log = open(os.path.join(tmp, "serve.log"), "w")  # noqa: SIM115 - closed below

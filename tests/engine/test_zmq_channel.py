@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import pytest
 from qwenserve.engine.zmq_channel import ZmqChannel
 
 
-def _pair(tmp_path: Path) -> tuple[ZmqChannel, ZmqChannel]:
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[ZmqChannel, ZmqChannel]]:
     """Two channels wired to each other: a binds, b connects (as a client and its engine), once
     both connections are up (a bound PUSH has no peer to queue for until b has connected)."""
     a_out, b_out = f"ipc://{tmp_path}/a-out", f"ipc://{tmp_path}/b-out"
@@ -23,25 +25,24 @@ def _pair(tmp_path: Path) -> tuple[ZmqChannel, ZmqChannel]:
         time.sleep(0.01)
     assert b.recv(5000) == "ping"
     assert b.send("ready") and a.recv(5000) == "ready"
-    return a, b
+    yield a, b
+    a.close()  # a second close (the tests close some) does nothing
+    b.close()
 
 
-def test_messages_cross_both_ways_in_order(tmp_path: Path) -> None:
-    a, b = _pair(tmp_path)
-    try:
-        for i in range(3):
-            assert a.send({"n": i})
-        assert [b.recv(2000) for _ in range(3)] == [{"n": 0}, {"n": 1}, {"n": 2}]
-        assert b.send(("back", [1, 2]))
-        assert a.recv(2000) == ("back", [1, 2])
-        assert a.recv(0) is None
-    finally:
-        a.close()
-        b.close()
+def test_messages_cross_both_ways_in_order(pair: tuple[ZmqChannel, ZmqChannel]) -> None:
+    a, b = pair
+    for i in range(3):
+        assert a.send({"n": i})
+    assert [b.recv(2000) for _ in range(3)] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert b.send(("back", [1, 2]))
+    assert a.recv(2000) == ("back", [1, 2])
+    assert a.recv(0) is None
 
 
-def test_send_after_the_peer_died_returns_false_and_never_blocks(tmp_path: Path) -> None:
-    a, b = _pair(tmp_path)
+def test_send_after_the_peer_died_returns_false_and_never_blocks(
+        pair: tuple[ZmqChannel, ZmqChannel]) -> None:
+    a, b = pair
     b.close()  # the peer is gone: its connection drops
     deadline = time.monotonic() + 5
     sent = True
@@ -51,24 +52,20 @@ def test_send_after_the_peer_died_returns_false_and_never_blocks(tmp_path: Path)
         assert time.monotonic() - started < 0.5  # NOBLOCK: a dead peer never stalls a sender
         time.sleep(0.01)
     assert not sent
-    a.close()
 
 
-def test_send_last_drops_every_later_send(tmp_path: Path) -> None:
-    a, b = _pair(tmp_path)
-    try:
-        a.send_last("bye")
-        assert a.closing
-        assert not a.send("too late")
-        assert b.recv(2000) == "bye"
-        assert b.recv(200) is None
-    finally:
-        a.close()
-        b.close()
+def test_send_last_drops_every_later_send(pair: tuple[ZmqChannel, ZmqChannel]) -> None:
+    a, b = pair
+    a.send_last("bye")
+    assert a.closing
+    assert not a.send("too late")
+    assert b.recv(2000) == "bye"
+    assert b.recv(200) is None
 
 
-def test_close_while_receiving_stops_the_thread_after_delivering(tmp_path: Path) -> None:
-    a, b = _pair(tmp_path)
+def test_close_while_receiving_stops_the_thread_after_delivering(
+        pair: tuple[ZmqChannel, ZmqChannel]) -> None:
+    a, b = pair
     got: list[object] = []
     ended = threading.Event()
     a.start_receiving(got.append, "test-receiver", on_end=ended.set)
@@ -83,7 +80,6 @@ def test_close_while_receiving_stops_the_thread_after_delivering(tmp_path: Path)
     assert ended.is_set()
     assert time.monotonic() - started < 2
     assert not a.send("after close")
-    b.close()
 
 
 @pytest.mark.timeout(30)

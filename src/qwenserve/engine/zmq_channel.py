@@ -169,9 +169,12 @@ class ZmqChannel:
 
     # ---- closing --------------------------------------------------------------------------------
     def close(self, linger_ms: int = 0) -> None:
-        """Stop receiving, then close the sockets; what is still queued out gets ``linger_ms``."""
+        """Stop receiving, then close the sockets; what is still queued out gets ``linger_ms``.
+        Once: a second call does nothing."""
         with self._send_lock:
             self._closing = True
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
