@@ -109,3 +109,16 @@ def test_cpu_backends_use_it_and_reference_does_not():
                                 platform.skinny_gemm_max_rows)
     assert Backends.for_platform(platform).float_linear is expected
     assert Backends.reference().float_linear is F.linear
+
+
+def test_native_off_keeps_the_platform_gemm(monkeypatch):
+    """``QWENSERVE_NATIVE=0`` (or no compiler): the route is the platform GEMM itself."""
+    from qwenserve.native import build
+
+    monkeypatch.setenv("QWENSERVE_NATIVE", "0")
+    build._load.cache_clear()
+    try:
+        fallback = _Recorder()
+        assert with_native_gemm(fallback, 8) is fallback
+    finally:
+        build._load.cache_clear()
