@@ -69,8 +69,9 @@ class CpuPlatform(Platform):
     # routes"); from 8 rows the blocked GEMM below wins.
     skinny_gemm_max_rows = 4
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
-    # place): 1.1-2.1x oneDNN's CPU time on every model shape at 8-2048 rows on the AVX2 EPYC,
-    # 0.91-1.21x at 6 (docs/benchmarks.md, "Issue 19: native fp32 GEMM").
+    # place): 0.98-2.16x oneDNN's speed (CPU time) on the model's shapes at 8-2048 rows on the AVX2
+    # EPYC, 1.1x or more on all but o at 256 rows; 0.91-1.33x at 6 over two runs
+    # (docs/benchmarks.md, "Issue 19: native fp32 GEMM").
     native_gemm_min_rows = 8
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
