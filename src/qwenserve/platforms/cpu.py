@@ -70,7 +70,7 @@ class CpuPlatform(Platform):
     skinny_gemm_max_rows = 4
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
     # place): 0.98-2.16x oneDNN's speed (CPU time) on the model's shapes at 8-2048 rows on the AVX2
-    # EPYC, 1.1x or more on all but o at 256 rows; 0.91-1.33x at 6 over two runs
+    # EPYC, 1.1x or more but for o at 256 and qkv at 2048 rows; 0.91-1.33x at 6 over two runs
     # (docs/benchmarks.md, "Issue 19: native fp32 GEMM").
     native_gemm_min_rows = 8
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
