@@ -1,11 +1,13 @@
-"""Shared benchmark helpers: random-weight models of published shapes, a real Qwen tokenizer,
-peak RSS, and running one measurement per subprocess (so each gets its own peak RSS)."""
+"""Shared benchmark helpers: random-weight models of published shapes, the tests' tiny model, a
+real Qwen tokenizer, peak RSS, a free port, and running one measurement per subprocess (so each
+gets its own peak RSS)."""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -116,3 +118,18 @@ def cpu_model() -> str:
                         "unknown CPU")
     except OSError:
         return "unknown CPU"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_qwen2(folder: str) -> str:
+    """The tests' tiny random-weight Qwen2 (``tests/helpers/tiny_models.py``), written in folder."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))
+    from helpers.tiny_models import make_tiny_model
+
+    return make_tiny_model("qwen2", os.path.join(folder, "tiny-qwen2"))

@@ -10,12 +10,15 @@ one torch thread, so other processes' load inflates it less than wall time), the
     mm_t            torch.mm on a weight transposed once to [K, N]
     mkl_packed      MKL packed sgemm (cblas_sgemm_pack at load; what inductor's freezing uses)
     onednn_packed   oneDNN with the weight reordered once to its blocked layout
-    native          qwenserve.native's skinny GEMM (csrc/gemv.cpp; M <= 8 only), if built
+    native          qwenserve.native's skinny GEMM (csrc/gemv.cpp; M <= 4 only), if built
+    sgemm           qwenserve.native's blocked GEMM (csrc/sgemm.cpp; the weight read in place,
+                    x packed per call), if built
 
 With ``--int8`` the routes are the W8A8 GEMM's (int8 x int8 -> int32, as ``Int8Matmul`` runs
 it): ``torch._int_mm`` (oneDNN) and the native kernel, against fp32 oneDNN on the same shape.
 
     python benchmarks/gemm_shapes.py [--m 1,16,64,256,2048] [--threads 1] [--int8]
+        [--routes sgemm,native] [--gflops]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qwenserve.native.kernels import gemv
+from qwenserve.native.kernels import gemv, sgemm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_model  # noqa: E402
@@ -68,6 +71,9 @@ def routes(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], torch.
     native = gemv()
     if native is not None and m <= native.MAX_ROWS:
         out["native"] = lambda x: native(x, w)
+    blocked_native = sgemm()
+    if blocked_native is not None:
+        out["sgemm"] = lambda x: blocked_native(x, w)
     return out
 
 
@@ -88,6 +94,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--int8", action="store_true", help="the W8A8 routes instead of fp32's")
+    p.add_argument("--routes", default="",
+                   help="comma-separated fp32 routes to run (default: all; onednn always runs)")
+    p.add_argument("--gflops", action="store_true",
+                   help="a second row per shape with each route's GFLOP/s")
     p.add_argument("--max-gflop", type=float, default=40.0,
                    help="skip (shape, M) pairs larger than this many GFLOP per call")
     args = p.parse_args()
@@ -105,6 +115,9 @@ def main() -> None:
                 continue
             x = torch.randn(m, k)
             fns = int8_routes(w) if args.int8 else routes(w, m)
+            if args.routes:
+                keep = {"onednn", *args.routes.split(",")}
+                fns = {r: fn for r, fn in fns.items() if r in keep}
             ref = F.linear(x.double(), w.double()).float()
             for route, fn in fns.items():
                 if "s8" in route:
@@ -126,6 +139,10 @@ def main() -> None:
                      for r in header[2:]]
             gflops = flops / min(best.values()) / 1e9
             print(f"| {name} | {m} | " + " | ".join(cells) + f" | {gflops:.1f} |", flush=True)
+            if args.gflops:
+                print("|  | GFLOP/s | " + " | ".join(
+                    f"{flops / best[r] / 1e9:.1f}" if r in best else "-" for r in header[2:])
+                    + " |  |", flush=True)
 
 
 

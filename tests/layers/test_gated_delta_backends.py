@@ -256,3 +256,26 @@ def test_unsupported_head_dim_runs_the_reference(reference_calls) -> None:
     o_ref, state = recurrent_gated_delta_rule(q, k, v, g, beta)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(pool[0], state, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 20])  # 20: the kernel's tail past whole vectors
+def test_gated_rms_norm_matches_the_reference(backend, dtype, head_dim) -> None:
+    """The layer's closing norm on the strided gate view the model passes (z, a column block of
+    the input projection's output), with gate values past exp's range (SiLU of +-100) and a NaN."""
+    from qwenserve.layers.recurrent import rms_norm_gated
+
+    gen = torch.Generator().manual_seed(11)
+    tokens, heads = 5, 3
+    x = (torch.randn(tokens, heads, head_dim, generator=gen) * 3).to(dtype)  # [T, H, D]
+    proj = torch.randn(tokens, heads * head_dim + 7, generator=gen) * 4  # [T, H*D + other]
+    proj[0, 2:5] = torch.tensor([100.0, -100.0, 89.0])
+    proj[1, 2] = float("nan")  # gate[1, 0, 0]
+    gate = proj.to(dtype)[:, 2 : 2 + heads * head_dim].view(tokens, heads, head_dim)
+    weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)  # [D]
+    if backend.name == "fused" and fused_module.native_ops() is not None:
+        assert fused_module.native_ops().supports_gated_norm(x, gate, weight)
+    out = backend.gated_rms_norm(x, gate, weight, 1e-6)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, rms_norm_gated(x, gate, weight, 1e-6), equal_nan=True, **tol)
+    assert out.shape == x.shape and out.dtype == dtype and out[1, 0].isnan().any()

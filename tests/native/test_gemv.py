@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.layers.backends import Backends
+from qwenserve.layers.native_gemm import with_native_gemm
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native.kernels import gemv
 from qwenserve.platforms.cpu import CpuPlatform
@@ -90,7 +91,7 @@ def test_float_linear_routes_decode_rows_to_the_kernel(rows, to_kernel):
 
 def test_cpu_backends_use_it_and_reference_does_not():
     platform = CpuPlatform()
-    base = platform.float_linear() or F.linear
+    base = with_native_gemm(platform.float_linear() or F.linear, platform.native_gemm_min_rows)
     assert Backends.for_platform(platform).float_linear is with_skinny_gemm(base, 4)
     assert Backends.reference().float_linear is F.linear
     assert with_skinny_gemm(F.linear, 0) is F.linear

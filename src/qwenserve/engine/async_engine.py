@@ -145,6 +145,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), out_queue)
         finished = False
+        engine_prompt_ids = self.core.checks.truncate_prompt(prompt_token_ids, params)
         try:
             self.core.send(AddRequest(request_id, prompt_token_ids, params, prompt,
                                       time.monotonic(), mm_inputs))
@@ -153,6 +154,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 item = _coalesce(item, out_queue, params.output_kind)
+                if not item.prompt_token_ids:  # it crossed without them (output_wire.py)
+                    item.prompt, item.prompt_token_ids = prompt, engine_prompt_ids
                 finished = item.finished
                 yield item
         finally:

@@ -12,7 +12,6 @@ exits as soon as the API process dies (``rank_process.DriverLink``).
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -20,9 +19,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
-
-import zmq
 
 from qwenserve import envs
 from qwenserve.config import DataParallelRank
@@ -36,6 +34,7 @@ from qwenserve.engine.core_messages import (
 )
 from qwenserve.engine.rank_process import send_message
 from qwenserve.engine.request_checks import RequestChecks
+from qwenserve.engine.zmq_channel import ZmqChannel
 from qwenserve.logger import init_logger
 
 if TYPE_CHECKING:
@@ -56,6 +55,18 @@ class OutputSink(Protocol):
     def on_step(self, step: StepOutputs) -> None: ...
 
     def on_dead(self, message: str) -> None: ...
+
+
+def deliver_to(sink: OutputSink) -> Callable[[object], None]:
+    """What a client's receiving thread does with each message from its engine (or hub)."""
+
+    def deliver(message: object) -> None:
+        if isinstance(message, StepOutputs):
+            sink.on_step(message)
+        elif isinstance(message, EngineFailed):
+            sink.on_dead(message.message)
+
+    return deliver
 
 
 class CoreClient(Protocol):
@@ -88,18 +99,11 @@ class ProcCoreClient:
         from qwenserve.models.tokenizer import load_tokenizer
 
         self._dir = tempfile.mkdtemp(prefix="qwenserve-engine-")
-        self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the engine drains it
-        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._channel = ZmqChannel()
         input_address = f"ipc://{self._dir}/input"
         output_address = f"ipc://{self._dir}/output"
-        self._input.bind(input_address)
-        self._output.bind(output_address)
-        self._send_lock = threading.Lock()
-        self._closing = False
-        self._threads: list[threading.Thread] = []
+        self._channel.bind(input_address, output_address)
+        self._watch_thread: threading.Thread | None = None
         self._proc = subprocess.Popen([sys.executable, "-m", "qwenserve.engine.core_proc"],
                                       stdin=subprocess.PIPE,
                                       env={**os.environ, **env} if env else None)
@@ -122,50 +126,35 @@ class ProcCoreClient:
     def _wait_ready(self, timeout_s: float) -> EngineReady:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._output.poll(200):
-                message = pickle.loads(self._output.recv())
-                if isinstance(message, EngineReady):
-                    return message
-                if isinstance(message, EngineFailed):
-                    raise EngineStartupError(message.message)
+            message = self._channel.recv(200)
             code = self._proc.poll()
-            if code is not None and not self._output.poll(200):
-                raise EngineStartupError(f"the engine process exited ({_exit_status(code)}) "
-                                         "while loading the model; see the log above")
+            if message is None and code is not None:
+                message = self._channel.recv(200)  # its last word may precede its exit
+                if message is None:
+                    raise EngineStartupError(f"the engine process exited ({_exit_status(code)})"
+                                             " while loading the model; see the log above")
+            if isinstance(message, EngineReady):
+                return message
+            if isinstance(message, EngineFailed):
+                raise EngineStartupError(message.message)
         raise EngineStartupError(f"the engine process did not load the model within "
                                  f"{timeout_s:.0f} s (QWENSERVE_ENGINE_READY_TIMEOUT_S)")
 
     def start(self, sink: OutputSink) -> None:
-        for target, name in ((self._receive, "qwenserve-engine-outputs"),
-                             (self._watch, "qwenserve-engine-watch")):
-            thread = threading.Thread(target=target, args=(sink,), name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._channel.start_receiving(deliver_to(sink), "qwenserve-engine-outputs")
+        self._watch_thread = threading.Thread(target=self._watch, args=(sink,),
+                                              name="qwenserve-engine-watch", daemon=True)
+        self._watch_thread.start()
 
     def send(self, command: Command) -> None:
-        payload = pickle.dumps(command, protocol=5)
-        with self._send_lock:
-            if self._closing:
-                return
-            try:
-                self._input.send(payload, zmq.NOBLOCK)
-            except zmq.Again:  # the engine process is gone; the watch reports it
-                pass
+        self._channel.send(command)  # dropped when the engine is gone: the watch reports it
 
     def shutdown(self) -> None:
-        payload = pickle.dumps(Shutdown(), protocol=5)
-        with self._send_lock:  # closing from here on: the engine's exit is not a death
-            if not self._closing:
-                self._closing = True
-                try:
-                    self._input.send(payload, zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
+        self._channel.send_last(Shutdown())  # from here on the engine's exit is not a death
         self._close(kill=False)
 
     def _close(self, kill: bool) -> None:
-        with self._send_lock:
-            self._closing = True
+        self._channel.send_last()
         if self._proc.poll() is None:
             try:
                 self._proc.wait(timeout=1 if kill else 30)
@@ -174,29 +163,15 @@ class ProcCoreClient:
                 self._proc.wait()
         if self._proc.stdin is not None:
             self._proc.stdin.close()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._ctx.destroy(linger=0)
+        self._channel.close()  # its outputs until the engine exited were delivered
+        if self._watch_thread is not None:
+            self._watch_thread.join(timeout=5)
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    # ---- background threads -------------------------------------------------------------------
-    def _receive(self, sink: OutputSink) -> None:
-        while not self._closing:
-            try:
-                if not self._output.poll(500):
-                    continue
-                message = pickle.loads(self._output.recv())
-            except zmq.ZMQError:  # the context was closed under us: shutting down
-                return
-            if isinstance(message, StepOutputs):
-                sink.on_step(message)
-            elif isinstance(message, EngineFailed):
-                sink.on_dead(message.message)
 
     def _watch(self, sink: OutputSink) -> None:
         code = self._proc.wait()
         time.sleep(0.2)  # let the engine's own last word (EngineFailed) arrive first
-        if self._closing:
+        if self._channel.closing:
             return
         sink.on_dead(f"the engine process (pid {self._proc.pid}) exited unexpectedly "
                      f"({_exit_status(code)})")
@@ -218,4 +193,4 @@ def _exit_status(code: int) -> str:
 
 
 __all__ = ["CoreClient", "EngineDeadError", "EngineStartupError", "OutputSink",
-           "ProcCoreClient"]
+           "ProcCoreClient", "deliver_to"]

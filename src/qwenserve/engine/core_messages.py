@@ -2,15 +2,18 @@
 
 Plain dataclasses, pickled with protocol 5 over ZeroMQ in the multiprocess topology. Outputs
 are batched: one ``StepOutputs`` per engine step carries every request's new tokens and text,
-so the API process wakes once per step, not once per token per request.
+so the API process wakes once per step, not once per token per request; they are pickled as
+flat columns (``output_wire.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qwenserve.config import EngineConfig
 from qwenserve.core.cache.plan import CachePlan
+from qwenserve.engine.output_wire import Packed, pack_outputs, unpack_outputs
 from qwenserve.metrics.stats import EngineStats
 from qwenserve.multimodal.inputs import MultiModalInputs
 from qwenserve.outputs import RequestOutput
@@ -68,6 +71,17 @@ class StepOutputs:
 
     def __bool__(self) -> bool:
         return bool(self.outputs or self.stats or self.errors or self.failures or self.results)
+
+    def __reduce__(self) -> tuple[Callable[..., StepOutputs], tuple[object, ...]]:
+        """Pickled with the outputs as columns, without their prompts (``output_wire.py``)."""
+        return _unpickle_step, (pack_outputs(self.outputs), self.stats, self.errors,
+                                self.failures, self.results)
+
+
+def _unpickle_step(packed: Packed, stats: list[EngineStats], errors: list[tuple[str, str]],
+                   failures: list[tuple[str, str]], results: list[UtilityResult]
+                   ) -> StepOutputs:
+    return StepOutputs(unpack_outputs(packed), stats, errors, failures, results)
 
 
 @dataclass

@@ -34,14 +34,9 @@ from qwenserve.engine.dp_client import (
     replica_device_envs,
 )
 from qwenserve.engine.dp_config import DataParallelConfig
-from qwenserve.engine.dp_remote import (
-    DPHello,
-    DPRefused,
-    DPWelcome,
-    disconnected,
-    set_heartbeats,
-)
+from qwenserve.engine.dp_remote import DPHello, DPRefused, DPWelcome
 from qwenserve.engine.rank_process import send_message
+from qwenserve.engine.zmq_channel import disconnected, set_heartbeats
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)

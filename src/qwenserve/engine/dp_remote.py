@@ -24,22 +24,13 @@ from dataclasses import dataclass
 import zmq
 
 from qwenserve import envs
-from qwenserve.engine.core_client import EngineStartupError, OutputSink
-from qwenserve.engine.core_messages import (
-    AddRequest,
-    Command,
-    EngineFailed,
-    EngineReady,
-    Shutdown,
-    StepOutputs,
-)
+from qwenserve.engine.core_client import EngineStartupError, OutputSink, deliver_to
+from qwenserve.engine.core_messages import AddRequest, Command, EngineFailed, EngineReady, Shutdown
 from qwenserve.engine.dp_config import DataParallelConfig
+from qwenserve.engine.zmq_channel import ZmqChannel
 from qwenserve.logger import init_logger
 
 logger = init_logger(__name__)
-
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -61,35 +52,17 @@ class DPRefused:
     message: str
 
 
-def set_heartbeats(sock: zmq.Socket) -> None:
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
-
-
 class RemoteCoreLink:
     """One remote engine, seen from the head: the same face as ``ProcCoreClient``."""
 
     def __init__(self, ctx: zmq.Context, address: str, rank: int) -> None:
         self.rank = rank
-        self._input = ctx.socket(zmq.PUSH)
-        self._output = ctx.socket(zmq.PULL)
-        self._input.setsockopt(zmq.SNDHWM, 0)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        for sock in (self._input, self._output):
-            sock.setsockopt(zmq.LINGER, 0)
-            set_heartbeats(sock)
-        host = f"tcp://{address}"
-        self.input_address = f"{host}:{self._input.bind_to_random_port(host)}"
-        self.output_address = f"{host}:{self._output.bind_to_random_port(host)}"
-        self._monitor = self._output.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._channel = ZmqChannel(ctx, watch_peer=True)
+        self.input_address, self.output_address = self._channel.bind_to_random_ports(
+            f"tcp://{address}")
         self.joined = threading.Event()
         self.peer = "?"
         self.clock_offset_s = 0.0  # head's monotonic clock minus the node's
-        self._send_lock = threading.Lock()
-        self._closing = False
-        self._gone = threading.Event()
-        self._thread: threading.Thread | None = None
         self.ready: EngineReady
 
     def wait_ready(self, deadline: float) -> RemoteCoreLink:
@@ -99,74 +72,37 @@ class RemoteCoreLink:
                     f"no --headless node joined as data-parallel rank {self.rank} within "
                     f"{envs.engine_ready_timeout_s():.0f} s (QWENSERVE_ENGINE_READY_TIMEOUT_S)")
         while time.monotonic() < deadline:
-            if self._monitor.poll(0) and disconnected(self._monitor):
+            if self._channel.peer_disconnected():
                 raise EngineStartupError(f"the engine on {self.peer} exited while loading the "
                                          "model; see that node's log")
-            if self._output.poll(200):
-                message = pickle.loads(self._output.recv())
-                if isinstance(message, EngineReady):
-                    self.ready = message
-                    return self
-                if isinstance(message, EngineFailed):
-                    raise EngineStartupError(f"on {self.peer}: {message.message}")
+            message = self._channel.recv(200)
+            if isinstance(message, EngineReady):
+                self.ready = message
+                return self
+            if isinstance(message, EngineFailed):
+                raise EngineStartupError(f"on {self.peer}: {message.message}")
         raise EngineStartupError(f"the engine on {self.peer} did not load the model in time "
                                  "(QWENSERVE_ENGINE_READY_TIMEOUT_S)")
 
     def start(self, sink: OutputSink) -> None:
-        self._thread = threading.Thread(target=self._receive, args=(sink,), daemon=True,
-                                        name=f"qwenserve-dp{self.rank}-outputs")
-        self._thread.start()
+        def dropped() -> None:
+            if not self._channel.closing:
+                sink.on_dead(f"the connection to its node {self.peer} dropped")
+
+        self._channel.start_receiving(deliver_to(sink), f"qwenserve-dp{self.rank}-outputs",
+                                      on_end=dropped)
 
     def send(self, command: Command) -> None:
         if isinstance(command, AddRequest):  # the node's clock
             command = dataclasses.replace(command,
                                           arrival_time=command.arrival_time
                                           - self.clock_offset_s)
-        payload = pickle.dumps(command, protocol=5)
-        with self._send_lock:
-            if self._closing:
-                return
-            try:
-                self._input.send(payload, zmq.NOBLOCK)
-            except zmq.ZMQError:  # the node is gone; its disconnect reports it
-                pass
+        self._channel.send(command)  # dropped when the node is gone: its disconnect reports it
 
     def shutdown(self) -> None:
-        with self._send_lock:
-            if not self._closing:
-                self._closing = True
-                try:
-                    self._input.send(pickle.dumps(Shutdown(), protocol=5), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        if self._thread is not None:
-            self._gone.wait(30)  # the node's engine exits, and its connection drops
-            self._thread.join(timeout=5)
-        self._monitor.close(linger=0)
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-
-    def _receive(self, sink: OutputSink) -> None:
-        poller = zmq.Poller()
-        poller.register(self._output, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            try:
-                events = dict(poller.poll(500))
-                if self._monitor in events and disconnected(self._monitor):
-                    break
-                if self._output not in events:
-                    continue
-                message = pickle.loads(self._output.recv())
-            except zmq.ZMQError:
-                break
-            if isinstance(message, StepOutputs):
-                sink.on_step(message)
-            elif isinstance(message, EngineFailed):
-                sink.on_dead(message.message)
-        self._gone.set()
-        if not self._closing:
-            sink.on_dead(f"the connection to its node {self.peer} dropped")
+        self._channel.send_last(Shutdown())
+        self._channel.wait_receiving(30)  # the node's engine exits, and its connection drops
+        self._channel.close()
 
 
 class RemoteReplicas:
@@ -229,12 +165,3 @@ class RemoteReplicas:
         logger.info("Data-parallel rank %d joined from %s", hello.rank, hello.host)
         return DPWelcome(link.input_address, link.output_address)
 
-
-def disconnected(monitor: zmq.Socket) -> bool:
-    from zmq.utils.monitor import recv_monitor_message
-
-    try:
-        event = recv_monitor_message(monitor, zmq.NOBLOCK)
-    except zmq.Again:
-        return False
-    return bool(event["event"] & zmq.EVENT_DISCONNECTED)

@@ -7,17 +7,14 @@ ends this process through its stdin pipe (``rank_process.DriverLink``, set up by
 
 from __future__ import annotations
 
-import pickle
-import threading
 import time
 from typing import TYPE_CHECKING
 
-import zmq
-
-from qwenserve.engine.core_client import EngineStartupError, OutputSink
+from qwenserve.engine.core_client import EngineStartupError, OutputSink, deliver_to
 from qwenserve.engine.core_hub import Attach, Detach, HubAddresses, HubHello
-from qwenserve.engine.core_messages import Command, EngineFailed, EngineReady, StepOutputs
+from qwenserve.engine.core_messages import Command, EngineFailed, EngineReady
 from qwenserve.engine.request_checks import RequestChecks
+from qwenserve.engine.zmq_channel import ZmqChannel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,16 +24,8 @@ class HubCoreClient:
     def __init__(self, addresses: HubAddresses, timeout_s: float = 60.0) -> None:
         from qwenserve.models.tokenizer import load_tokenizer
 
-        self._ctx = zmq.Context()
-        self._commands = self._ctx.socket(zmq.PUSH)
-        self._outputs = self._ctx.socket(zmq.PULL)
-        self._commands.setsockopt(zmq.SNDHWM, 0)
-        self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._commands.connect(addresses.commands)
-        self._outputs.connect(addresses.outputs)
-        self._lock = threading.Lock()
-        self._closing = False
-        self._thread: threading.Thread | None = None
+        self._channel = ZmqChannel()
+        self._channel.connect(addresses.commands, addresses.outputs)
         hello = self._hello(timeout_s)
         self.ready: EngineReady = hello.ready
         self._engine_indexes = hello.engine_indexes
@@ -50,53 +39,23 @@ class HubCoreClient:
     def _hello(self, timeout_s: float) -> HubHello:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._send(Attach())  # again: the first answer may precede our connection
-            if self._outputs.poll(200):
-                message = pickle.loads(self._outputs.recv())
-                if isinstance(message, HubHello):
-                    return message
-                if isinstance(message, EngineFailed):
-                    raise EngineStartupError(message.message)
+            self._channel.send(Attach())  # again: the first answer may precede our connection
+            message = self._channel.recv(200)
+            if isinstance(message, HubHello):
+                return message
+            if isinstance(message, EngineFailed):
+                raise EngineStartupError(message.message)
         raise EngineStartupError(f"the launcher's engine hub did not answer within "
                                  f"{timeout_s:.0f} s")
 
     def start(self, sink: OutputSink) -> None:
-        self._thread = threading.Thread(target=self._receive, args=(sink,),
-                                        name="qwenserve-hub-outputs", daemon=True)
-        self._thread.start()
+        self._channel.start_receiving(deliver_to(sink), "qwenserve-hub-outputs")
 
     def send(self, command: Command) -> None:
-        self._send(command)
-
-    def _send(self, message: object) -> None:
-        payload = pickle.dumps(message, protocol=5)
-        with self._lock:
-            if self._closing:
-                return
-            try:
-                self._commands.send(payload, zmq.NOBLOCK)
-            except zmq.Again:  # the hub is gone; this process follows it out
-                pass
+        self._channel.send(command)  # dropped when the hub is gone: this process follows it out
 
     def shutdown(self) -> None:
         """Detach (the hub aborts what is left of this process's requests); the engine keeps
         serving the other API processes, and the launcher stops it when all have exited."""
-        self._send(Detach())
-        with self._lock:
-            self._closing = True
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._ctx.destroy(linger=1000)
-
-    def _receive(self, sink: OutputSink) -> None:
-        while not self._closing:
-            try:
-                if not self._outputs.poll(500):
-                    continue
-                message = pickle.loads(self._outputs.recv())
-            except zmq.ZMQError:  # closed under us: shutting down
-                return
-            if isinstance(message, StepOutputs):
-                sink.on_step(message)
-            elif isinstance(message, EngineFailed):
-                sink.on_dead(message.message)
+        self._channel.send_last(Detach())
+        self._channel.close(linger_ms=1000)  # time for the Detach to reach the hub

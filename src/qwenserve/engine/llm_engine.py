@@ -145,12 +145,7 @@ class LLMEngine:
             self.scheduler.add_request(req)
 
     def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """``truncate_prompt_tokens``: keep the last k tokens (-1: as many as fit)."""
-        k = params.truncate_prompt_tokens
-        if k is None:
-            return prompt_token_ids
-        k = self.config.scheduler.max_model_len if k == -1 else k
-        return prompt_token_ids[-k:]
+        return self.checks.truncate_prompt(prompt_token_ids, params)
 
     def check_images(self, prompt_token_ids: list[int], mm_inputs: MultiModalInputs | None,
                      params: SamplingParams) -> None:

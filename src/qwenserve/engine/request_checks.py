@@ -27,6 +27,15 @@ class RequestChecks:
         self.tokenizer = tokenizer
         self._grammars: GrammarService | None = None
 
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """``truncate_prompt_tokens``: keep the last k tokens (-1: as many as fit). The prompt
+        the engine runs, which its outputs name (``AsyncEngine`` restores it from here)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        k = self.config.scheduler.max_model_len if k == -1 else k
+        return prompt_token_ids[-k:]
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
                          compile_grammar: bool = True) -> None:
         """Raise ``ValueError`` (400 in the server) before the request reaches the scheduler.

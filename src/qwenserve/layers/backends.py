@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.layers.attention import AttentionBackend, get_attention_backend
+from qwenserve.layers.native_gemm import with_native_gemm
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native import kernels as native_kernels
@@ -89,8 +90,10 @@ class Backends:
         return cls(
             attention=get_attention_backend(platform.default_attention_backend),
             recurrent=get_recurrent_backend(platform.default_recurrent_backend),
-            float_linear=with_skinny_gemm(platform.float_linear() or F.linear,
-                                          platform.skinny_gemm_max_rows),
+            float_linear=with_skinny_gemm(
+                with_native_gemm(platform.float_linear() or F.linear,
+                                 platform.native_gemm_min_rows),
+                platform.skinny_gemm_max_rows),
             int8_mm=Int8Matmul(platform),
             elementwise=get_elementwise_kernels(platform.default_elementwise_backend),
             sampling=get_sampling_kernel(platform.default_sampling_backend),

@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = self.in_proj.make_conv_weight(kernel)  # [conv_dim, K]
         self.dt_bias = sharded_parameter(cfg.linear_num_value_heads, tp, torch.float32)
         self.A_log = sharded_parameter(cfg.linear_num_value_heads, tp, torch.float32)
-        self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ctx.dtype)
+        self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, ctx.dtype, ctx.backends.recurrent)
         self.norm.weight.requires_grad_(False)
         self.out_proj = RowParallelLinear(
             cfg.linear_num_value_heads * self.dv, cfg.hidden_size, dtype=ctx.dtype, tp=tp,
@@ -134,7 +134,7 @@ class GatedDeltaNet(nn.Module):
         o = self.backend.gated_delta_rule(
             q.reshape(n, self.num_k_heads, self.dk), k.reshape(n, self.num_k_heads, self.dk),
             v.reshape(n, self.num_v_heads, self.dv), g, beta, ssm_state, batch.state)
-        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv))
+        o = self.norm(o, z.view(n, self.num_v_heads, self.dv))  # z: a strided view, no copy
         return self.out_proj(o.reshape(n, self.num_v_heads * self.dv))
 
 

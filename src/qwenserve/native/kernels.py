@@ -7,7 +7,10 @@ import os
 
 import torch
 
+from qwenserve.logger import init_logger
 from qwenserve.native.build import DEFAULT_CFLAGS, load_library
+
+logger = init_logger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -100,6 +103,54 @@ def gemv() -> Gemv | None:
     lib = load_library("qwenserve_gemv", [os.path.join(CSRC, "gemv.cpp")],
                        cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
     return None if lib is None else Gemv(lib)
+
+
+class Sgemm:
+    """``csrc/sgemm.cpp``: ``x @ w.T + bias`` in float32 for any number of rows, cache-blocked
+    (AVX2 + FMA), reading the [N, K] weight in place and packing only x per call."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.sgemm_f32
+        self._fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        self._fn.restype = ctypes.c_int
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``__call__`` takes this pair: float32 CPU tensors, a contiguous [N, K]
+        weight (x of any layout: its rows are copied when they are not contiguous)."""
+        return (x.dtype == w.dtype == torch.float32 and x.is_cpu and w.is_cpu and w.dim() == 2
+                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
+                and w.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K], w [N, K] contiguous, bias [N] or None -> [..., N] float32."""
+        n, k = w.shape
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1 or x2.stride(0) < k:
+            x2 = x2.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
+            assert bias.dtype == torch.float32 and bias.numel() == n
+        out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        status = self._fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
+                          None if bias is None else bias.data_ptr(), x2.shape[0], n, k,
+                          x2.stride(0))
+        if status:
+            raise ValueError(f"sgemm: status {status} for x {tuple(x.shape)}, w {tuple(w.shape)} "
+                             "(1: empty shape, 2: built without AVX2+FMA, 3: out of memory)")
+        return out.view(*x.shape[:-1], n)
+
+
+def sgemm() -> Sgemm | None:
+    """The blocked fp32 GEMM, or None (logged) where it cannot be built or the CPU has no
+    AVX2 + FMA (the kernel's only code path)."""
+    lib = load_library("qwenserve_sgemm", [os.path.join(CSRC, "sgemm.cpp")])
+    if lib is None:
+        return None
+    if not lib.sgemm_f32_available():
+        logger.info("native sgemm not used: this CPU has no AVX2 + FMA; using the platform GEMM")
+        return None
+    return Sgemm(lib)
 
 
 class Elementwise:

@@ -28,6 +28,9 @@ class Platform(ABC):
     # GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
     # (native/csrc/gemv.cpp, which streams the weight once) where it builds; 0: never.
     skinny_gemm_max_rows: ClassVar[int] = 0
+    # float32 GEMMs with at least this many rows of x (prefill, batched decode) go to the native
+    # blocked GEMM (native/csrc/sgemm.cpp) where it builds; 0: never.
+    native_gemm_min_rows: ClassVar[int] = 0
     supported_block_sizes: ClassVar[tuple[int, ...]] = (1, 8, 16, 32, 64, 128, 256)
 
     @classmethod

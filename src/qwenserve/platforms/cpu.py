@@ -66,8 +66,13 @@ class CpuPlatform(Platform):
     default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
     # Decode-sized fp32 GEMMs (1-4 rows) stream the weight once in native/csrc/gemv.cpp: 1.0-1.7x
     # oneDNN's CPU time per shape at 1-4 rows on the AVX2 EPYC (docs/benchmarks.md, "GEMM
-    # routes"); from 8 rows oneDNN's blocked kernel wins.
+    # routes"); from 8 rows the blocked GEMM below wins.
     skinny_gemm_max_rows = 4
+    # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
+    # place): 0.98-2.16x oneDNN's speed (CPU time) on the model's shapes at 8-2048 rows on the AVX2
+    # EPYC, 1.1x or more but for o at 256 and qkv at 2048 rows; 0.91-1.33x at 6 over two runs
+    # (docs/benchmarks.md, "Issue 19: native fp32 GEMM").
+    native_gemm_min_rows = 8
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
     # The draw in native/csrc/sampling.cpp: PyTorch's sorts and noises the whole vocabulary,

@@ -62,10 +62,12 @@ def test_two_engines_serve_greedy_outputs_equal_to_one_engine(dp_server, tiny_mo
     from qwenserve import LLM, SamplingParams
 
     assert len(_engine_pids(dp_server)) == 2
-    results = _burst(dp_server, PROMPTS)
+    # 96 tokens each: a request must still be in flight when the next one is routed (16-token
+    # requests of the tiny model could finish first on a loaded machine: all to engine 0)
+    results = _burst(dp_server, PROMPTS, max_tokens=96)
     llm = LLM(tiny_model_path, dtype="float32", max_model_len=512,
               kv_cache_memory_bytes=16 << 20)
-    reference = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+    reference = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=96))
     assert [r["choices"][0]["text"] for r in results] == [o.outputs[0].text for o in reference]
     # the burst was spread: each engine finished some of it
     done = per_engine(dp_server, "vllm:request_success_total", finished_reason="length")
@@ -78,7 +80,7 @@ def test_a_shared_prefix_stays_on_the_engine_that_cached_it(dp_server):
     hits_before = per_engine(dp_server, "vllm:prefix_cache_hits_total")
     # A goes first and keeps engine 0 busy, so B lands on engine 1
     long_a = threading.Thread(target=_complete, args=(dp_server, [*prefix_a, 1]),
-                              kwargs={"max_tokens": 300, "ignore_eos": True})
+                              kwargs={"max_tokens": 440, "ignore_eos": True})
     long_a.start()
     deadline = time.monotonic() + 30
     while sum(per_engine(dp_server, "vllm:num_requests_running").values()) < 1:
@@ -136,7 +138,7 @@ def test_a_headless_node_joins_the_head_over_loopback(tiny_model_path, tmp_path)
         try:
             assert "Data-parallel rank 1 joined" in head.log()
             assert len(_engine_pids(head)) == 1  # the other engine runs under the node
-            results = _burst(head, PROMPTS[:4])
+            results = _burst(head, PROMPTS[:4], max_tokens=96)  # in flight side by side
             assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
             done = per_engine(head, "vllm:request_success_total", finished_reason="length")
             assert set(done) == {"0", "1"} and min(done.values()) >= 1, done

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qwenserve.layers.recurrent.gated_norm import rms_norm_gated
+
 DEFAULT_CHUNK_SIZE = 64  # HF and fla (Triton) use 64
 
 
@@ -199,3 +201,11 @@ class RecurrentBackend(ABC):
     ) -> torch.Tensor:
         """q, k [num_tokens, Hk, Dk], v [num_tokens, Hv, Dv], g, beta [num_tokens, Hv] ->
         o [num_tokens, Hv, Dv] (q/k l2-normalised inside, q scaled by Dk**-0.5)."""
+
+    def gated_rms_norm(
+        self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The layer's closing ``w * rmsnorm(x) * silu(gate)`` per head: x, gate
+        [num_tokens, Hv, Dv] (gate may be a strided view), weight [Dv] -> x's shape and dtype.
+        The reference; a backend may fuse it."""
+        return rms_norm_gated(x, gate, weight, eps)

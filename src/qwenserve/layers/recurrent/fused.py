@@ -1,7 +1,7 @@
 """The CPU Gated DeltaNet backend: fewer passes over memory than the reference, same maths.
 
-Three C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
-``qwenserve.native``), each reading and writing the state pools in place:
+Four C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
+``qwenserve.native``); the first three read and write the state pools in place:
 
 - Decode (one token per sequence): each state is updated in its pool slot, read once for both
   products. The reference gathers every state out of the pool and scatters it back: at batch 64
@@ -13,7 +13,8 @@ Three C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
   state in L2 (a column panel of it in L1). No padding to whole chunks, no gather of the
   states, the outputs written in place. The reference builds each of these as a separate
   batched PyTorch op over the whole step.
-- Conv1d: the varlen depthwise conv straight from the conv-state pool.
+- Conv1d: the varlen depthwise conv straight from the conv-state pool, SiLU vectorised.
+- Gated RMSNorm (the layer's last op): one pass, reading the gate rows in place.
 
 Without a C++ compiler (or with ``QWENSERVE_NATIVE=0``) every path runs the reference's PyTorch
 code, after one log line from ``qwenserve.native``; so does any input the kernels do not take
@@ -64,6 +65,7 @@ class NativeGDN:
     """Typed face of ``csrc/gdn_cpu.cpp`` (pointers of CPU tensors)."""
 
     CONV = {torch.float32: "gdn_conv_f32", torch.bfloat16: "gdn_conv_bf16"}
+    GATED_NORM = {torch.float32: "gdn_gated_norm_f32", torch.bfloat16: "gdn_gated_norm_bf16"}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._decode = lib.gdn_decode_f32
@@ -75,6 +77,12 @@ class NativeGDN:
             fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
             fn.restype = None
             self._conv[dtype] = fn
+        self._gated_norm = {}
+        for dtype, name in self.GATED_NORM.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [_P] * 4 + [_I] * 7 + [ctypes.c_float]
+            fn.restype = None
+            self._gated_norm[dtype] = fn
         self._chunk = lib.gdn_chunk
         self._chunk.argtypes = [ctypes.POINTER(_ChunkArgs), ctypes.c_int, ctypes.c_int]
         self._chunk.restype = ctypes.c_int
@@ -143,6 +151,25 @@ class NativeGDN:
                             None if bias_f is None else bias_f.data_ptr(), conv_state.data_ptr(),
                             qsl.data_ptr(), slots.data_ptr(), init.data_ptr(), slots.numel(),
                             x.shape[1], weight_t.shape[0], int(silu))
+        return out
+
+
+    def supports_gated_norm(self, x: torch.Tensor, gate: torch.Tensor,
+                            weight: torch.Tensor) -> bool:
+        return (x.dtype in self._gated_norm and gate.dtype == weight.dtype == x.dtype
+                and x.is_cpu and gate.is_cpu and x.dim() == gate.dim() == 3
+                and x.shape == gate.shape and x.stride(2) == gate.stride(2) == 1
+                and weight.dim() == 1 and weight.numel() == x.shape[2])
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """As ``rms_norm_gated``: x, gate [T, H, D] (rows read where they lie), weight [D]
+        -> a new contiguous [T, H, D]."""
+        out = torch.empty(x.shape, dtype=x.dtype)
+        weight = weight.contiguous()
+        self._gated_norm[x.dtype](out.data_ptr(), x.data_ptr(), gate.data_ptr(),
+                                  weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                  x.stride(1), gate.stride(0), gate.stride(1), x.shape[2], eps)
         return out
 
 
@@ -223,3 +250,11 @@ class FusedRecurrentBackend(RecurrentBackend):
             assert ops is not None
             ops.chunk_prefill(q, k, v, g, beta, ssm_state, meta, out, self.native_chunk_size)
         return out
+
+    def gated_rms_norm(
+        self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        ops = native_ops()
+        if ops is None or not ops.supports_gated_norm(x, gate, weight):
+            return super().gated_rms_norm(x, gate, weight, eps)
+        return ops.gated_rms_norm(x, gate, weight, eps)

@@ -6,9 +6,14 @@ ones), unlike the zero-centred ``(1 + w)`` norms elsewhere in Qwen3.5 (qwen_arch
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from qwenserve.layers.recurrent.base import RecurrentBackend
 
 
 def rms_norm_gated(
@@ -27,12 +32,18 @@ def rms_norm_gated(
 
 
 class RMSNormGated(nn.Module):
-    """Module form; ``weight`` [Dv] is shared by all value heads (``linear_attn.norm.weight``)."""
+    """Module form; ``weight`` [Dv] is shared by all value heads (``linear_attn.norm.weight``).
+    With a recurrent ``backend`` its (possibly fused) ``gated_rms_norm`` runs it."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None,
+                 backend: RecurrentBackend | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))  # [Dv]
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [num_tokens, Hv, Dv] (gate may be a strided view) -> x's shape."""
+        if self.backend is not None:
+            return self.backend.gated_rms_norm(x, gate, self.weight, self.eps)
         return rms_norm_gated(x, gate, self.weight, self.eps)

@@ -8,6 +8,8 @@
 // gdn_conv_{f32,bf16}: the depthwise causal conv over a varlen batch, history read from and
 //   written back to the conv-state pool, without building the padded copy of the inputs.
 // gdn_chunk_{f32,bf16}: the chunked prefill (below, at chunk_task).
+// gdn_gated_norm_{f32,bf16}: the gated RMSNorm that ends the layer, one pass instead of the
+//   reference's eight ops (and no copy of the strided gate rows).
 // Maths and layouts as the reference (layers/recurrent/torch_ref.py, delta_rule.py).
 #include <algorithm>
 #include <cmath>
@@ -21,6 +23,7 @@ struct F32 {
   using T = float;
   static float load(float x) { return x; }
   static float store(float x) { return x; }
+  static float round(float x) { return x; }  // the value a T tensor holds for x
 };
 
 struct BF16 {  // bfloat16 as its bits; round to nearest even on the way out, as torch does
@@ -38,57 +41,8 @@ struct BF16 {  // bfloat16 as its bits; round to nearest even on the way out, as
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
   }
+  static float round(float x) { return load(store(x)); }
 };
-
-// x [T, D] rows of stride x_stride; weight_t [K, D] f32; bias [D] f32 or null;
-// state [S, K-1, D]; qsl [R+1], slots [R]; has_init [R] (bytes); out [T, D] contiguous.
-template <typename DT>
-void conv(typename DT::T* out, const typename DT::T* x, int64_t x_stride, const float* weight_t,
-          const float* bias, typename DT::T* state, const int64_t* qsl, const int64_t* slots,
-          const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
-  const int64_t hist = K - 1;
-  constexpr int64_t kBlock = 256;  // channels per task: enough tasks for one long request
-  const int64_t blocks = (D + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t task = 0; task < R * blocks; ++task) {
-    std::vector<float> win(K * kBlock), acc(kBlock);
-    const int64_t r = task / blocks, c0 = (task % blocks) * kBlock;
-    const int64_t nc = std::min(kBlock, D - c0), first = qsl[r], n = qsl[r + 1] - qsl[r];
-    typename DT::T* st = state + slots[r] * hist * D + c0;
-    for (int64_t j = 0; j < hist; ++j)  // win: the K most recent rows, oldest first
-      for (int64_t c = 0; c < nc; ++c)
-        win[j * kBlock + c] = has_init[r] ? DT::load(st[j * D + c]) : 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      const typename DT::T* xr = x + (first + t) * x_stride + c0;
-      float* last = win.data() + hist * kBlock;
-      for (int64_t c = 0; c < nc; ++c) last[c] = DT::load(xr[c]);
-      for (int64_t c = 0; c < nc; ++c) acc[c] = bias ? bias[c0 + c] : 0.0f;
-      for (int64_t j = 0; j < K; ++j) {
-        const float* w = weight_t + j * D + c0;
-        const float* row = win.data() + j * kBlock;
-        for (int64_t c = 0; c < nc; ++c) acc[c] += w[c] * row[c];
-      }
-      typename DT::T* yr = out + (first + t) * D + c0;
-      for (int64_t c = 0; c < nc; ++c) {
-        const float a = acc[c];
-        yr[c] = DT::store(silu ? a / (1.0f + std::exp(-a)) : a);
-      }
-      for (int64_t j = 0; j < hist; ++j)  // shift: drop the oldest row
-        std::copy(win.data() + (j + 1) * kBlock, win.data() + (j + 1) * kBlock + nc,
-                  win.data() + j * kBlock);
-    }
-    // the new state: the last K-1 raw inputs (or the history when n < K-1), exactly
-    for (int64_t j = 0; j < hist; ++j)
-      for (int64_t c = 0; c < nc; ++c) st[j * D + c] = DT::store(win[j * kBlock + c]);
-  }
-}
-
-// ---- chunked prefill -------------------------------------------------------------------------
-// The chunked form of the gated delta rule (delta_rule.py's chunk_terms + chunk_scan), one task
-// per (prefill, value head), its chunks in order. Every product goes through one register-blocked
-// tile (`tile`); a task's working set (the 128 x 128 state, the chunk's q/k/v and its C x C
-// terms: ~200 KB at C = 32) stays in L2, and the state panel a column block of the scan works on
-// (Dk x 16 floats) in L1. No padding: the last chunk of a prefill has n <= C rows.
 
 // 8 floats (GCC/Clang vector extensions: one AVX2 register here, two NEON ones on Arm).
 typedef float vec8 __attribute__((vector_size(32)));
@@ -100,6 +54,145 @@ inline vec8 load8(const float* p) {
 }
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 inline vec8 splat8(float x) { return vec8{x, x, x, x, x, x, x, x}; }
+
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+
+inline float sum8(vec8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// e^x for 8 floats at once: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
+// polynomial), within 2 ulp of expf over [-87.3, 88.37]. Below, x is clamped to -87.3 (e^x stays
+// a normal float; the callers only add 1 to it); above 88.37 the result is +inf (as expf's from
+// 88.73). A NaN x gives +inf: callers keep NaN by dividing x by it. The scalar loop's std::exp
+// does not vectorise here (errno), and SiLU's exp was most of the conv's time.
+inline vec8 exp8(vec8 x) {
+  x = x < splat8(89.0f) ? x : splat8(89.0f);  // n = 128 there: the 2^n below is +inf
+  x = x > splat8(-87.3f) ? x : splat8(-87.3f);
+  const vec8 magic = splat8(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vec8 n = (x * splat8(1.44269504088896341f) + magic) - magic;
+  const vec8 r = (x - n * splat8(0.693359375f)) + n * splat8(2.12194440e-4f);
+  vec8 p = splat8(1.9875691500e-4f);
+  p = p * r + splat8(1.3981999507e-3f);
+  p = p * r + splat8(8.3334519073e-3f);
+  p = p * r + splat8(4.1665795894e-2f);
+  p = p * r + splat8(1.6666665459e-1f);
+  p = p * r + splat8(5.0000001201e-1f);
+  p = p * (r * r) + r + splat8(1.0f);
+  const ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;  // 2^n
+  vec8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// x[0..n) = silu(x) = x / (1 + e^-x) in place, 8 at a time (the tail with std::exp).
+inline void silu_inplace(float* x, int64_t n) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const vec8 a = load8(x + c);
+    store8(x + c, a / (splat8(1.0f) + exp8(-a)));
+  }
+  for (; c < n; ++c) x[c] = x[c] / (1.0f + std::exp(-x[c]));
+}
+
+// x [T, D] rows of stride x_stride; weight_t [K, D] f32; bias [D] f32 or null;
+// state [S, K-1, D]; qsl [R+1], slots [R]; has_init [R] (bytes); out [T, D] contiguous.
+// One task per (request, block of channels). Token t's window is the rows t-K+1 .. t of the
+// request's sequence prefixed by its K-1 history rows: the first K-1 tokens read some of the
+// history (a copy in f32), the rest read x where it lies. No shifting copy per token.
+template <typename DT>
+void conv(typename DT::T* out, const typename DT::T* x, int64_t x_stride, const float* weight_t,
+          const float* bias, typename DT::T* state, const int64_t* qsl, const int64_t* slots,
+          const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
+  using T = typename DT::T;
+  const int64_t hist = K - 1;
+  constexpr int64_t kBlock = 256;  // channels per task: enough tasks for one long request
+  const int64_t blocks = (D + kBlock - 1) / kBlock;
+#pragma omp parallel
+  {
+    std::vector<float> past(hist * kBlock), acc(kBlock);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < R * blocks; ++task) {
+      const int64_t r = task / blocks, c0 = (task % blocks) * kBlock;
+      const int64_t nc = std::min(kBlock, D - c0), first = qsl[r], n = qsl[r + 1] - qsl[r];
+      T* st = state + slots[r] * hist * D + c0;
+      for (int64_t j = 0; j < hist; ++j)  // the history, oldest row first
+        for (int64_t c = 0; c < nc; ++c)
+          past[j * kBlock + c] = has_init[r] ? DT::load(st[j * D + c]) : 0.0f;
+      float* a = acc.data();
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t c = 0; c < nc; ++c) a[c] = bias ? bias[c0 + c] : 0.0f;
+        for (int64_t j = 0; j < K; ++j) {  // window row j is sequence row t - hist + j
+          const float* w = weight_t + j * D + c0;
+          const int64_t s = t - hist + j;
+          if (s < 0) {
+            const float* row = past.data() + (hist + s) * kBlock;
+            for (int64_t c = 0; c < nc; ++c) a[c] += w[c] * row[c];
+          } else {
+            const T* row = x + (first + s) * x_stride + c0;
+            for (int64_t c = 0; c < nc; ++c) a[c] += w[c] * DT::load(row[c]);
+          }
+        }
+        if (silu) silu_inplace(a, nc);
+        T* yr = out + (first + t) * D + c0;
+        for (int64_t c = 0; c < nc; ++c) yr[c] = DT::store(a[c]);
+      }
+      // the new state: the last K-1 raw inputs (history rows too when n < K-1), exactly
+      for (int64_t j = 0; j < hist; ++j) {
+        const int64_t s = n - hist + j;
+        if (s < 0) {
+          for (int64_t c = 0; c < nc; ++c) st[j * D + c] = DT::store(past[(hist + s) * kBlock + c]);
+        } else {
+          const T* row = x + (first + s) * x_stride + c0;
+          std::copy(row, row + nc, st + j * D);
+        }
+      }
+    }
+  }
+}
+
+// ---- gated RMSNorm ---------------------------------------------------------------------------
+// out = T(T(w * T(x_hat)) * silu(gate)) per row of h (HF's Qwen3_5RMSNormGated, roundings as
+// gated_norm.py's reference: the normalised row and its product with w are T tensors, the gate
+// is applied in f32). Row (i, j) of x starts at x + i * x_so + j * x_si, of gate likewise (the
+// gate z is a strided view of the input projection); out is contiguous [n_outer * n_inner, h].
+template <typename DT>
+void gated_rms_norm(typename DT::T* out, const typename DT::T* x, const typename DT::T* gate,
+                    const typename DT::T* w, int64_t n_outer, int64_t n_inner, int64_t x_so,
+                    int64_t x_si, int64_t g_so, int64_t g_si, int64_t h, float eps) {
+  const int64_t rows = n_outer * n_inner;
+#pragma omp parallel if (rows * h >= (int64_t{1} << 17))
+  {
+    std::vector<float> bx(h), bg(h);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / n_inner, j = r % n_inner;
+      const typename DT::T *xr = x + i * x_so + j * x_si, *gr = gate + i * g_so + j * g_si;
+      float ss = 0.0f;
+      for (int64_t c = 0; c < h; ++c) {
+        bx[c] = DT::load(xr[c]);
+        bg[c] = DT::load(gr[c]);
+      }
+      int64_t c8 = 0;  // 8 partial sums: a scalar chain does not vectorise without fast-math
+      vec8 sq = splat8(0.0f);
+      for (; c8 + 8 <= h; c8 += 8) sq += load8(bx.data() + c8) * load8(bx.data() + c8);
+      ss = sum8(sq);
+      for (; c8 < h; ++c8) ss += bx[c8] * bx[c8];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+      for (int64_t c = 0; c < h; ++c) bx[c] = DT::round(DT::load(w[c]) * DT::round(bx[c] * inv));
+      silu_inplace(bg.data(), h);
+      typename DT::T* o = out + r * h;
+      for (int64_t c = 0; c < h; ++c) o[c] = DT::store(bx[c] * bg[c]);
+    }
+  }
+}
+
+// ---- chunked prefill -------------------------------------------------------------------------
+// The chunked form of the gated delta rule (delta_rule.py's chunk_terms + chunk_scan), one task
+// per (prefill, value head), its chunks in order. Every product goes through one register-blocked
+// tile (`tile`); a task's working set (the 128 x 128 state, the chunk's q/k/v and its C x C
+// terms: ~200 KB at C = 32) stays in L2, and the state panel a column block of the scan works on
+// (Dk x 16 floats) in L1. No padding: the last chunk of a prefill has n <= C rows.
 
 // C[MR x 8NV] = alpha * Cin + A[MR x kk] . B[kk x 8NV] (row-major; Cin null: from zero). The
 // MR x NV accumulators stay in registers over the kk loop (6 x 2: 12 of AVX2's 16).
@@ -204,10 +297,6 @@ struct Workspace {
     }
   }
 };
-
-inline float sum8(vec8 x) {
-  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-}
 
 // dst[0..n) = row[0..n) in f32 (a plain loop: the compiler vectorises the conversion).
 template <typename DT>
@@ -420,6 +509,18 @@ void gdn_conv_f32(float* out, const float* x, int64_t x_stride, const float* wei
                   const float* bias, float* state, const int64_t* qsl, const int64_t* slots,
                   const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
   conv<F32>(out, x, x_stride, weight_t, bias, state, qsl, slots, has_init, R, D, K, silu);
+}
+
+void gdn_gated_norm_f32(float* out, const float* x, const float* gate, const float* w,
+                        int64_t n_outer, int64_t n_inner, int64_t x_so, int64_t x_si,
+                        int64_t g_so, int64_t g_si, int64_t h, float eps) {
+  gated_rms_norm<F32>(out, x, gate, w, n_outer, n_inner, x_so, x_si, g_so, g_si, h, eps);
+}
+
+void gdn_gated_norm_bf16(uint16_t* out, const uint16_t* x, const uint16_t* gate,
+                         const uint16_t* w, int64_t n_outer, int64_t n_inner, int64_t x_so,
+                         int64_t x_si, int64_t g_so, int64_t g_si, int64_t h, float eps) {
+  gated_rms_norm<BF16>(out, x, gate, w, n_outer, n_inner, x_so, x_si, g_so, g_si, h, eps);
 }
 
 void gdn_conv_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, const float* weight_t,

@@ -1,0 +1,37 @@
+"""Batched float32 GEMMs (prefill, many-sequence decode) through the native blocked GEMM.
+
+``native/csrc/sgemm.cpp`` computes ``x @ W.T + b`` from the [N, K] weight as the model keeps it
+(only x is packed, per call), so weight accounting, tied embeddings and sharded-state saving see
+one tensor. It replaces the platform GEMM from ``min_rows`` rows of x up, where it measured faster
+(docs/benchmarks.md, "Issue 19: native fp32 GEMM"); fewer rows, other dtypes and machines where
+it does not build keep the platform's GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from qwenserve.native.kernels import Sgemm, sgemm
+
+LinearFn = Callable[..., torch.Tensor]
+
+
+@functools.cache
+def with_native_gemm(linear: LinearFn, min_rows: int) -> LinearFn:
+    """``linear`` with float32 calls of at least ``min_rows`` rows of x sent to the native GEMM
+    (the same function object for the same arguments: layers can compare it); 0: never."""
+    kernel = sgemm() if min_rows > 0 else None
+    if kernel is None:
+        return linear
+    return functools.partial(_native_or, kernel, min_rows, linear)
+
+
+def _native_or(kernel: Sgemm, min_rows: int, linear: LinearFn, x: torch.Tensor,
+               weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if (x.numel() >= min_rows * x.shape[-1] and kernel.supports(x, weight)
+            and (bias is None or bias.dtype == torch.float32)):
+        return kernel(x, weight, bias)
+    return linear(x, weight, bias)
