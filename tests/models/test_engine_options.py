@@ -47,7 +47,9 @@ def test_context_beyond_the_model_needs_yarn(tiny_model):
         LLM(tiny_model("qwen3"), dtype="float32", max_model_len=4096)
 
 
-@pytest.mark.parametrize(("state_dtype", "atol"), [("float32", 1e-4), ("float16", 2e-2),
+# fp32: 2e-4, as the engine's fp32 GEMMs (native from 8 rows) sum in another order than HF's
+# (measured 1.05e-4 on one of 71 positions of this random model)
+@pytest.mark.parametrize(("state_dtype", "atol"), [("float32", 2e-4), ("float16", 2e-2),
                                                ("bfloat16", 1e-1)])
 def test_deltanet_state_dtype_scores_prompts_like_hf(tiny_model, state_dtype, atol):
     """Prompt logprobs over 16-token chunks (the state crosses each chunk boundary in its cache

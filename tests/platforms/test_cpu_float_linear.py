@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from qwenserve import LLM
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.linear import LinearBase
+from qwenserve.layers.native_gemm import with_native_gemm
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.platforms.cpu import CpuPlatform
 
@@ -45,6 +46,8 @@ def test_model_layers_use_the_platform_linear(tiny_model):
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     assert layers and heads
-    expected = with_skinny_gemm(linear or F.linear, CpuPlatform.skinny_gemm_max_rows)
+    expected = with_skinny_gemm(with_native_gemm(linear or F.linear,
+                                                 CpuPlatform.native_gemm_min_rows),
+                                CpuPlatform.skinny_gemm_max_rows)
     assert all(m.quant_method.linear is expected for m in layers)
     assert all(h.float_linear is expected for h in heads)
