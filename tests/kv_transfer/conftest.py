@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 
-from oai_server import RemoteServer, free_port  # noqa: E402
+from oai_server import RemoteServer, free_port, started_together  # noqa: E402
 from pd_helpers import serve_args  # noqa: E402
 
 PULL_TIMEOUT_S = "3"
@@ -27,21 +27,16 @@ def pd_model(tiny_model) -> str:
 @pytest.fixture(scope="session")
 def pd_pair(pd_model, tmp_path_factory):
     """(producer, consumer), started together so their start-ups overlap."""
-    producer = RemoteServer(serve_args(pd_model, "kv_producer", free_port(), "prefill-0"),
-                            tmp_path_factory.mktemp("producer") / "serve.log", wait=False)
-    try:
-        consumer = RemoteServer(serve_args(pd_model, "kv_consumer", free_port(), "decode-0"),
-                                tmp_path_factory.mktemp("consumer") / "serve.log",
-                                env={"QWENSERVE_KV_PULL_TIMEOUT_S": PULL_TIMEOUT_S},
-                                wait=False)
-        try:
-            producer.wait_ready()
-            consumer.wait_ready()
-            yield producer, consumer
-        finally:
-            consumer.stop()
-    finally:
-        producer.stop()
+    with started_together({
+        "producer": lambda: RemoteServer(
+            serve_args(pd_model, "kv_producer", free_port(), "prefill-0"),
+            tmp_path_factory.mktemp("producer") / "serve.log", wait=False),
+        "consumer": lambda: RemoteServer(
+            serve_args(pd_model, "kv_consumer", free_port(), "decode-0"),
+            tmp_path_factory.mktemp("consumer") / "serve.log",
+            env={"QWENSERVE_KV_PULL_TIMEOUT_S": PULL_TIMEOUT_S}, wait=False),
+    }) as started:
+        yield started["producer"], started["consumer"]
 
 
 @pytest.fixture(scope="session")

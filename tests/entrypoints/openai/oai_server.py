@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,23 @@ ROOT = "/api"  # the hardening server's --root-path
 LONG_CONTEXT = 32768  # its max_model_len: prompts up to 32 x this many characters get tokenized
 DATA = Path(__file__).parent / "data"
 TOOLS_TEMPLATE = str(DATA / "qwen_tools.jinja")
+
+
+@contextlib.contextmanager
+def started_together(starts: dict[str, Callable[[], RemoteServer]],
+                     stop_signal: int = signal.SIGTERM) -> Iterator[dict[str, RemoteServer]]:
+    """Servers a module needs, started at once so their start-ups overlap (each ``start``
+    returns a ``RemoteServer(..., wait=False)``), ready on entry, stopped in reverse on exit."""
+    started: dict[str, RemoteServer] = {}
+    try:
+        for name, start in starts.items():
+            started[name] = start()
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in reversed(started.values()):
+            server.stop(stop_signal)
 
 
 def free_port() -> int:

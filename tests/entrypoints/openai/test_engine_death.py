@@ -14,7 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
-from oai_server import RemoteServer
+from oai_server import RemoteServer, started_together
 
 ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "16M",
         "--max-num-batched-tokens", "64"]
@@ -28,18 +28,11 @@ def servers(tiny_model_path, tmp_path_factory):
             "keep_alive": {"QWENSERVE_KEEP_ALIVE_ON_ENGINE_DEATH": "1",
                            "QWENSERVE_SERVER_DEV_MODE": "1"},
             "threads": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
-    started: dict[str, RemoteServer] = {}
-    try:
-        for name, env in envs.items():
-            started[name] = RemoteServer([tiny_model_path, *ARGS],
-                                         tmp_path_factory.mktemp(name) / "serve.log",
-                                         env=env, wait=False)
-        for srv in started.values():
-            srv.wait_ready()
+    starts = {name: (lambda name=name, env=env: RemoteServer(
+        [tiny_model_path, *ARGS], tmp_path_factory.mktemp(name) / "serve.log", env=env,
+        wait=False)) for name, env in envs.items()}
+    with started_together(starts, stop_signal=signal.SIGKILL) as started:
         yield started
-    finally:
-        for srv in started.values():
-            srv.stop(signal.SIGKILL)
 
 
 def _engine_pid(server: RemoteServer) -> int:

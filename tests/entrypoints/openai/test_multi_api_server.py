@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from oai_server import RemoteServer
+from oai_server import RemoteServer, started_together
 
 PROMPTS = ["Hello", "The capital of France is", "def add(a, b):", "你好"]
 
@@ -56,17 +56,11 @@ def _wait_gone(pids: list[int], timeout_s: float = 15) -> list[int]:
 def servers(tiny_model_path, tmp_path_factory):
     """Two servers, started together so their start-ups overlap: the one most tests share, and
     one for the test that kills an API process."""
-    srv = _start(tiny_model_path, tmp_path_factory.mktemp("multi-api"))
-    try:
-        doomed = _start(tiny_model_path, tmp_path_factory.mktemp("multi-api-doomed"))
-        try:
-            srv.wait_ready()
-            doomed.wait_ready()
-            yield srv, doomed
-        finally:
-            doomed.stop()
-    finally:
-        srv.stop()
+    with started_together({
+        "shared": lambda: _start(tiny_model_path, tmp_path_factory.mktemp("multi-api")),
+        "doomed": lambda: _start(tiny_model_path, tmp_path_factory.mktemp("multi-api-doomed")),
+    }) as started:
+        yield started["shared"], started["doomed"]
 
 
 @pytest.fixture(scope="module")

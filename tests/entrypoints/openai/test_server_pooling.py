@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from oai_server import RemoteServer
+from oai_server import RemoteServer, started_together
 
 from helpers.tiny_pooling import RERANKER_OVERRIDES, make_tiny_embedding, make_tiny_reranker
 
@@ -23,29 +23,22 @@ def pooling_servers(tmp_path_factory):
     emb_path = make_tiny_embedding(str(tmp_path_factory.mktemp("emb") / "qwen3-embedding"))
     rr_path = make_tiny_reranker(str(tmp_path_factory.mktemp("rr") / "qwen3-reranker"))
     # Qwen3-Embedding.md's Atlas 300I command, with float32 for an exact comparison
-    emb = RemoteServer([emb_path, "--served-model-name", "Qwen/Qwen3-Embedding-0.6B",
-                        "--compilation-config", '{"cudagraph_capture_sizes": [1024,512]}',
-                        "--additional-config",
-                        '{"ascend_compilation_config": {"fuse_norm_quant": false}}',
-                        "--runner", "pooling", "--dtype", "float32", "--max-model-len", "1024",
-                        "--kv-cache-memory-bytes", "32M", "--max-sequences-per-request", "3"],
-                       tmp_path_factory.mktemp("emb-log") / "server.log", wait=False)
-    try:
-        rr = RemoteServer([rr_path, "--served-model-name", "Qwen/Qwen3-Reranker-0.6B",
-                           "--runner", "pooling", "--hf_overrides",
-                           json.dumps(RERANKER_OVERRIDES), "--dtype", "float32",
-                           "--max-model-len", "1024", "--kv-cache-memory-bytes", "32M",
-                           "--max-num-seqs", "2", "--max-queued-sequences", "1",
-                           "--max-sequences-per-request", "4"],
-                          tmp_path_factory.mktemp("rr-log") / "server.log", wait=False)
-        try:
-            emb.wait_ready()
-            rr.wait_ready()
-            yield (emb_path, emb), (rr_path, rr)
-        finally:
-            rr.stop()
-    finally:
-        emb.stop()
+    emb_args = [emb_path, "--served-model-name", "Qwen/Qwen3-Embedding-0.6B",
+                "--compilation-config", '{"cudagraph_capture_sizes": [1024,512]}',
+                "--additional-config", '{"ascend_compilation_config": {"fuse_norm_quant": false}}',
+                "--runner", "pooling", "--dtype", "float32", "--max-model-len", "1024",
+                "--kv-cache-memory-bytes", "32M", "--max-sequences-per-request", "3"]
+    rr_args = [rr_path, "--served-model-name", "Qwen/Qwen3-Reranker-0.6B", "--runner", "pooling",
+               "--hf_overrides", json.dumps(RERANKER_OVERRIDES), "--dtype", "float32",
+               "--max-model-len", "1024", "--kv-cache-memory-bytes", "32M", "--max-num-seqs", "2",
+               "--max-queued-sequences", "1", "--max-sequences-per-request", "4"]
+    with started_together({
+        "emb": lambda: RemoteServer(emb_args, tmp_path_factory.mktemp("emb-log") / "server.log",
+                                    wait=False),
+        "rr": lambda: RemoteServer(rr_args, tmp_path_factory.mktemp("rr-log") / "server.log",
+                                   wait=False),
+    }) as started:
+        yield (emb_path, started["emb"]), (rr_path, started["rr"])
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from oai_server import RemoteServer
+from oai_server import RemoteServer, started_together
 
 
 def _stream(server: RemoteServer, max_tokens: int, result: dict) -> None:
@@ -53,16 +53,11 @@ def _start(tmp_path_factory, name: str, timeout_s: float, model: str) -> RemoteS
 def servers(tmp_path_factory, tiny_model_path):
     """Each test's own server (each stops it), started together so their start-ups overlap:
     "drain" (a 30 s grace period) and "abort" (0.2 s)."""
-    started: dict[str, RemoteServer] = {}
-    try:
-        for name, grace_s in (("drain", 30), ("abort", 0.2)):
-            started[name] = _start(tmp_path_factory, name, grace_s, tiny_model_path)
-        for srv in started.values():
-            srv.wait_ready()
+    starts = {name: (lambda name=name, grace_s=grace_s: _start(tmp_path_factory, name, grace_s,
+                                                            tiny_model_path))
+              for name, grace_s in (("drain", 30), ("abort", 0.2))}
+    with started_together(starts, stop_signal=signal.SIGKILL) as started:
         yield started
-    finally:
-        for srv in started.values():
-            srv.stop(signal.SIGKILL)
 
 
 def _run_stream_then_signal(server: RemoteServer, max_tokens: int, sig: int) -> dict:
