@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.native_gemm import with_native_gemm
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
@@ -68,19 +69,10 @@ def test_leading_dims_and_refusals():
     assert not KERNEL.supports(x.bfloat16(), w.bfloat16())
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, x, weight, bias=None):
-        self.calls += 1
-        return F.linear(x, weight, bias)
-
-
 @needs_kernel
 @pytest.mark.parametrize("rows,to_kernel", [(1, True), (4, True), (5, False)])
 def test_float_linear_routes_decode_rows_to_the_kernel(rows, to_kernel):
-    fallback = _Recorder()
+    fallback = RecordingLinear()
     linear = with_skinny_gemm(fallback, 4)
     x, w, b = torch.randn(rows, 96), torch.randn(40, 96), torch.randn(40)
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)

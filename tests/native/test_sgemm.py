@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.native_gemm import with_native_gemm
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
@@ -79,19 +80,10 @@ def test_refusals():
     assert not KERNEL.supports(torch.randn(8, 32), w)
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, x, weight, bias=None):
-        self.calls += 1
-        return F.linear(x, weight, bias)
-
-
 @needs_kernel
 @pytest.mark.parametrize("rows,to_kernel", [(7, False), (8, True), (300, True)])
 def test_float_linear_routes_batched_rows_to_the_kernel(rows, to_kernel):
-    fallback = _Recorder()
+    fallback = RecordingLinear()
     linear = with_native_gemm(fallback, 8)
     x, w, b = torch.randn(rows, 96), torch.randn(40, 96), torch.randn(40)
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
@@ -118,7 +110,7 @@ def test_native_off_keeps_the_platform_gemm(monkeypatch):
     monkeypatch.setenv("QWENSERVE_NATIVE", "0")
     build._load.cache_clear()
     try:
-        fallback = _Recorder()
+        fallback = RecordingLinear()
         assert with_native_gemm(fallback, 8) is fallback
     finally:
         build._load.cache_clear()
