@@ -12,7 +12,12 @@ from helpers.tiny_vision import vision_config
 def run_rank(rank: int, world_size: int, port: int, family: str, weights_path: str,
              inputs_path: str, out_path: str) -> None:
     """Build the tower sharded ``world_size`` ways, run it, and save rank 0's output."""
-    from qwenserve.distributed.init import LOOPBACK, Rendezvous, init_parallel_group
+    from qwenserve.distributed.init import (
+        LOOPBACK,
+        Rendezvous,
+        init_parallel_group,
+        leave_parallel_group,
+    )
     from qwenserve.models.vision.tower import Qwen3VisionTower
 
     torch.set_num_threads(1)
@@ -29,4 +34,4 @@ def run_rank(rank: int, world_size: int, port: int, family: str, weights_path: s
         out = tower(pixels, grids)
     if rank == 0:
         torch.save([out.embeds, *out.deepstack], out_path)
-    torch.distributed.destroy_process_group()
+    leave_parallel_group(tp)  # meet first: a rank tearing gloo down under its peer aborts
