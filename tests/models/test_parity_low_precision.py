@@ -11,6 +11,12 @@ accurate than HF's sits within E of the float32 result too, so by the triangle i
 at every step (both teacher-forced on qwenserve's tokens), qwenserve's greedy token must be HF's
 argmax up to 2E, i.e. a flip is allowed only at a near-tie that the dtype cannot resolve.
 
+The routed-expert model (Qwen3-MoE) has the same kind of tail: where its router sits at a
+near-tie, one rounding picks another expert and that position's logprobs move by much more than
+E. On an AMX Xeon its bf16 run had a median error against float32 of 1.06 times HF's, with the
+largest of 0.25 at two positions where HF's largest was 0.09; so it too is held to the median and
+mean bound below, not the per-entry one.
+
 Measured on these models (bf16): E ~0.06-0.10 for the dense models with |logits| ~5, where the
 final rounding alone is u * |z| ~ 0.01 per logit: errors grow through the layers; qwenserve is
 ~0.03 from HF, and its mean error against float32 is HF's within 3%.
@@ -46,6 +52,7 @@ from qwenserve import LLM, SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+ROUTED_NEAR_TIES = (*HYBRID, "qwen3_moe")  # no per-entry bound (the module docstring)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_TOKENS = 8
 
@@ -106,7 +113,7 @@ def test_low_precision_matches_hf_in_the_same_dtype(tiny_model, arch, dtype):
     tolerance = 2 * max(hf_errors)
     for entries, low, _, tokens in checks:
         for step, (entry, token) in enumerate(zip(entries, tokens, strict=True)):
-            if arch not in HYBRID:  # the hybrids' maximum is chance: see the module docstring
+            if arch not in ROUTED_NEAR_TIES:  # their maximum is chance: the module docstring
                 for t, lp in entry.items():
                     assert abs(lp.logprob - low[step, t].item()) <= tolerance, (step, t, tolerance)
             assert low[step, token] >= low[step].max() - tolerance, (step, token, tolerance)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform as _platform
 
 import psutil
 import torch
 
 from qwenserve.platforms.base import Platform, int32_epilogue
+from qwenserve.platforms.cpu_packed_gemm import PackedBf16Linear, packed_bf16_linear
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,6 +43,23 @@ def _has_onednn_linear() -> bool:
                                    atol=1e-5))
     except (RuntimeError, AttributeError):
         return False
+
+
+def _packed_or(packed: PackedBf16Linear, linear, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed.supports(x, weight):
+        return packed(x, weight, bias)
+    return linear(x, weight, bias)
+
+
+@functools.cache
+def _float_linear(onednn_fp32: bool, packed_bf16: bool):
+    """One function object per route (layers and GEMM wrappers compare them)."""
+    linear = _onednn_linear if onednn_fp32 else torch.nn.functional.linear
+    packed = packed_bf16_linear() if packed_bf16 else None
+    if packed is None:
+        return linear if onednn_fp32 else None
+    return functools.partial(_packed_or, packed, linear)
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,8 +134,11 @@ class CpuPlatform(Platform):
 
     def float_linear(self):
         # float32 GEMMs: torch's F.linear calls MKL, which on AMD CPUs runs 1.2-2.5x slower than
-        # oneDNN for the shapes a model runs (benchmarks.md); bf16 already goes to oneDNN.
-        return _onednn_linear if _has_onednn_linear() else None
+        # oneDNN for the shapes a model runs (benchmarks.md). bf16 goes to oneDNN either way;
+        # with AMX / AVX512-BF16 on weights packed once (cpu_packed_gemm.py): 1.3-2x faster
+        # at decode sizes on a Sapphire Rapids Xeon (docs/benchmarks.md, "bf16 on AMX").
+        packed = self.supports_native_bf16() and os.environ.get("QWENSERVE_PACKED_BF16") != "0"
+        return _float_linear(_has_onednn_linear(), packed)
 
     def int8_skinny_max_rows(self) -> int:
         # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 0.9 ms per row of x on the

@@ -18,6 +18,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -46,21 +48,48 @@ inline void load_row(v8* dst, const float* src, int64_t chunks) {
   std::memcpy(dst, src, chunks * sizeof(v8));
 }
 inline void load_row(v8* dst, const uint16_t* src, int64_t chunks) {
-  float* f = reinterpret_cast<float*>(dst);
-  for (int64_t j = 0; j < chunks * W; ++j) f[j] = to_float(src[j]);
+  uint32_t* bits = reinterpret_cast<uint32_t*>(dst);  // bf16 is float32's high half
+#pragma omp simd
+  for (int64_t j = 0; j < chunks * W; ++j) bits[j] = static_cast<uint32_t>(src[j]) << 16;
 }
 
 inline float hsum(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
-// D % 8 == 0 (checked by the caller): rows are D / 8 vectors.
-template <typename T>
+typedef int32_t i8v __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i8v{__VA_ARGS__})
+#endif
+
+// The lane sums of eight vectors at once: result lane i = hsum(s[i]), in 14 shuffles and 7
+// adds where eight hsums take ~80 scalar operations.
+inline v8 hsum8(const v8* s) {
+  const v8 a = SHUFFLE(s[0], s[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[0], s[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8 b = SHUFFLE(s[2], s[3], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[2], s[3], 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8 c = SHUFFLE(s[4], s[5], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[4], s[5], 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8 d = SHUFFLE(s[6], s[7], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[6], s[7], 1, 9, 3, 11, 5, 13, 7, 15);
+  // a = [s0 01, s1 01, s0 23, s1 23, s0 45, s1 45, s0 67, s1 67] (pair sums), b, c, d alike
+  const v8 e = SHUFFLE(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8 f = SHUFFLE(c, d, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(c, d, 2, 3, 10, 11, 6, 7, 14, 15);
+  // e = [s0 0-3, s1 0-3, s2 0-3, s3 0-3, s0 4-7, s1 4-7, s2 4-7, s3 4-7], f for s4-s7
+  return SHUFFLE(e, f, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(e, f, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// D % 8 == 0 (checked by the caller): rows are D / 8 vectors. CH > 0 fixes D / 8 at compile
+// time for the common head sizes: the per-row loops unroll and a query's rows (scores) or
+// accumulator (values) stay in registers; CH == 0 handles any D (loops over memory, 2-3x
+// slower). Each KV block's rows are widened to float32 once into a buffer, then every query
+// head of the group runs over the buffer with its own registers: no accumulator round trip
+// through memory per position, and independent chains for the core to overlap.
+template <typename T, int CH>
 void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t len, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                 float scale) {
-  const int64_t group = hq / hkv, slot_stride = hkv * d, chunks = d / W;
-  std::vector<v8> qv(group * chunks), acc(group * chunks, v8{}), row(chunks);
+  const int64_t group = hq / hkv, slot_stride = hkv * d, chunks = CH > 0 ? CH : d / W;
+  std::vector<v8> qv(group * chunks), acc(group * chunks, v8{}), rows(block_size * chunks);
   std::vector<float> scores(group * len), inv(group);
   float* qf = reinterpret_cast<float*>(qv.data());
   for (int64_t g = 0; g < group; ++g)
@@ -68,13 +97,37 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
 
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t base = table[b] * block_size, count = std::min(block_size, len - start);
-    for (int64_t t = 0; t < count; ++t) {
-      load_row(row.data(), k_cache + (base + t) * slot_stride + h * d, chunks);
-      for (int64_t g = 0; g < group; ++g) {
-        const v8* qg = qv.data() + g * chunks;
+    for (int64_t t = 0; t < count; ++t)
+      load_row(rows.data() + t * chunks, k_cache + (base + t) * slot_stride + h * d, chunks);
+    for (int64_t g = 0; g < group; ++g) {
+      v8 qg[CH > 0 ? CH : 1];
+      const v8* qsrc = qv.data() + g * chunks;
+      if constexpr (CH > 0)
+        for (int c = 0; c < CH; ++c) qg[c] = qsrc[c];
+      float* sg = scores.data() + g * len + start;
+      int64_t t = 0;
+      if constexpr (CH > 0) {
+        for (; t + W <= count; t += W) {  // eight positions: independent chains, one reduction
+          v8 s8[W];
+          for (int p = 0; p < W; ++p) {
+            const v8* r = rows.data() + (t + p) * CH;
+            v8 s{};
+            for (int c = 0; c < CH; ++c) s += r[c] * qg[c];
+            s8[p] = s;
+          }
+          const v8 total = hsum8(s8);
+          std::memcpy(sg + t, &total, sizeof total);
+        }
+      }
+      for (; t < count; ++t) {
+        const v8* r = rows.data() + t * chunks;
         v8 s{};
-        for (int64_t c = 0; c < chunks; ++c) s += row[c] * qg[c];
-        scores[g * len + start + t] = hsum(s);
+        if constexpr (CH > 0) {
+          for (int c = 0; c < CH; ++c) s += r[c] * qg[c];
+        } else {
+          for (int64_t c = 0; c < chunks; ++c) s += r[c] * qsrc[c];
+        }
+        sg[t] = hsum(s);
       }
     }
   }
@@ -84,19 +137,29 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
     for (int64_t p = 0; p < len; ++p) mx = std::max(mx, sg[p]);
 #pragma omp simd reduction(+ : total)
     for (int64_t p = 0; p < len; ++p) {
-      sg[p] = std::exp(sg[p] - mx);
+      sg[p] = exp_approx(sg[p] - mx);
       total += sg[p];
     }
     inv[g] = total > 0.f ? 1.f / total : 0.f;
   }
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t base = table[b] * block_size, count = std::min(block_size, len - start);
-    for (int64_t t = 0; t < count; ++t) {
-      load_row(row.data(), v_cache + (base + t) * slot_stride + h * d, chunks);
-      for (int64_t g = 0; g < group; ++g) {
-        const float w = scores[g * len + start + t];
-        v8* a = acc.data() + g * chunks;
-        for (int64_t c = 0; c < chunks; ++c) a[c] += w * row[c];
+    for (int64_t t = 0; t < count; ++t)
+      load_row(rows.data() + t * chunks, v_cache + (base + t) * slot_stride + h * d, chunks);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* wg = scores.data() + g * len + start;
+      v8* a = acc.data() + g * chunks;
+      if constexpr (CH > 0) {
+        v8 ar[CH];
+        for (int c = 0; c < CH; ++c) ar[c] = a[c];
+        for (int64_t t = 0; t < count; ++t) {
+          const v8* r = rows.data() + t * CH;
+          for (int c = 0; c < CH; ++c) ar[c] += wg[t] * r[c];
+        }
+        for (int c = 0; c < CH; ++c) a[c] = ar[c];
+      } else {
+        for (int64_t t = 0; t < count; ++t)
+          for (int64_t c = 0; c < chunks; ++c) a[c] += wg[t] * rows[t * chunks + c];
       }
     }
   }
@@ -110,11 +173,15 @@ int decode_all(T* out, const T* q, const T* k_cache, const T* v_cache, const int
                int64_t table_width, const int64_t* lens, int64_t n, int64_t hq, int64_t hkv,
                int64_t d, int64_t block_size, float scale) {
   if (d % W != 0 || hkv <= 0 || hq % hkv != 0) return 1;
+  auto one = d == 64    ? decode_one<T, 8>
+              : d == 128 ? decode_one<T, 16>
+              : d == 256 ? decode_one<T, 32>
+                         : decode_one<T, 0>;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < hkv; ++h)
-      decode_one(out + i * hq * d, q + i * hq * d, k_cache, v_cache, tables + i * table_width,
-                 lens[i], h, hq, hkv, d, block_size, scale);
+      one(out + i * hq * d, q + i * hq * d, k_cache, v_cache, tables + i * table_width, lens[i], h,
+          hq, hkv, d, block_size, scale);
   return 0;
 }
 
