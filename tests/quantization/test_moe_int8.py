@@ -239,8 +239,11 @@ def expert_dtypes(llm: LLM) -> set[torch.dtype]:
 # qwen3 check in test_roundtrip measures 0.018, dense qwen3_5 0.612).
 # qwen3_5_moe: 0.100 with the PyTorch norms, 0.252 with the CPU's fused ones, whose only
 # difference is the order of the fp32 sum of squares: this random model amplifies rounding
-# (see FLOAT_BOUNDS below), while top-1 agreement stays >= 0.99.
-FAKE_QUANT_BOUNDS = {"qwen3_moe": 0.1, "qwen3_5_moe": 0.4, "qwen3_next": 0.6}
+# (see FLOAT_BOUNDS below), while top-1 agreement stays >= 0.99. On an AMX / AVX512-VNNI Xeon
+# (other MKL / oneDNN kernels, so other fp32 sum orders, on both sides) it measured 1.155 (top-1
+# 0.969) with the native kernels on or off and the attention backend either way: the same
+# amplification of one activation rounding the other way, not a kernel of qwenserve's.
+FAKE_QUANT_BOUNDS = {"qwen3_moe": 0.1, "qwen3_5_moe": 1.5, "qwen3_next": 0.6}
 # (b) against the float model: (max logprob error, top-1 agreement, greedy prefix agreement).
 # The random Qwen3.5-MoE model amplifies int8 rounding far more than the others (its gated
 # DeltaNet norms rescale ~100x; test_roundtrip notes the same for dense Qwen3.5), which (a)
