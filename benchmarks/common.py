@@ -22,7 +22,11 @@ QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584,
                   linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
                   max_position_embeddings=4096, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e7,
-                                   "partial_rotary_factor": 0.25})
+                                   "partial_rotary_factor": 0.25},
+                  # as every real Qwen3.5 config.json: vLLM keeps the DeltaNet state in fp32 for
+                  # it (without the field its "auto" stores it in the model dtype, half the bytes
+                  # a decode step reads and writes); qwenserve's auto is fp32 either way
+                  mamba_ssm_dtype="float32")
 SHAPES = {"qwen2.5-0.5b": ("qwen2", QWEN25_05B), "qwen3.5-0.8b": ("qwen3_5", QWEN35_08B)}
 CACHE_DIR = os.environ.get("QWENSERVE_BENCH_DIR", os.path.join("/tmp", "qwenserve-bench"))
 
