@@ -6,8 +6,8 @@
 //   q, out           [n, Hq, D]            the G = Hq / Hkv query heads of KV head h are
 //                                          rows h*G .. h*G+G-1 (grouped-query attention)
 //
-// One task per (sequence, KV head): the G query heads share every K and V row they read, so
-// each row is loaded once. Scores are kept for the whole context (two passes: scores, then
+// One task per sequence, one pass per KV head: the G query heads of a KV head share every K
+// and V row they read, so each row is loaded once. Scores are kept for the whole context (two passes: scores, then
 // softmax-weighted V), in float32 whatever the cache dtype. Rows are handled as vectors of 8
 // floats (GCC vector extensions: AVX2 where the machine has it, SSE pairs elsewhere); the G dot
 // products of a row are independent chains, so they overlap in the core. Plain C++ over raw
@@ -177,7 +177,11 @@ int decode_all(T* out, const T* q, const T* k_cache, const T* v_cache, const int
               : d == 128 ? decode_one<T, 16>
               : d == 256 ? decode_one<T, 32>
                          : decode_one<T, 0>;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  // One task per sequence, its KV heads in turn: a block holds every head's rows side by side,
+  // and the heads' tasks on different cores each pulled the whole block from memory (the
+  // prefetchers fetch the neighbouring lines); in one task the second head finds it in L2.
+  // 64 x 264-token contexts x 24 layers from a DRAM-sized cache: 45.5 -> 34.8 ms, 2 threads.
+#pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < hkv; ++h)
       one(out + i * hq * d, q + i * hq * d, k_cache, v_cache, tables + i * table_width, lens[i], h,
