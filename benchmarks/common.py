@@ -65,11 +65,11 @@ def random_model(name: str, arch: str = "qwen2", **shape: Any) -> str:
     config_cls = {"qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
                   "qwen3_5": tf.Qwen3_5TextConfig}[arch]
     config = config_cls(**shape)
+    tok = qwen_tokenizer()  # first: a folder with weights is taken as complete (above)
+    tok.save_pretrained(path)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    tok = qwen_tokenizer()
-    tok.save_pretrained(path)
     return path
 
 
