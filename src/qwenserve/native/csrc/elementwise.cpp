@@ -98,6 +98,50 @@ void rms_norm(T* out, T* res_out, const T* x, const T* res, const T* w, int64_t 
 }
 
 // ---- SiLU and mul -------------------------------------------------------------------------
+// bf16 rounding in the fp32 domain with 32-bit integer ops only (nearest even; NaN kept): the
+// vectoriser widens and narrows 16-bit lanes poorly, so bf16 rows are widened into fp32
+// buffers, computed there, and narrowed once (2x faster than converting inside one loop).
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t r = (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : rounded;
+  float f;
+  std::memcpy(&f, &r, sizeof f);
+  return f;
+}
+
+void silu_and_mul_rows_bf16(uint16_t* out, const uint16_t* x, int64_t rows, int64_t inter,
+                            int64_t x_stride) {
+  constexpr int64_t CHUNK = 512;
+#pragma omp parallel for schedule(static) if (rows * inter >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    alignas(64) uint32_t g[CHUNK], u[CHUNK];
+    const uint16_t* gate = x + r * x_stride;
+    const uint16_t* up = gate + inter;
+    uint16_t* o = out + r * inter;
+    for (int64_t k0 = 0; k0 < inter; k0 += CHUNK) {
+      const int64_t n = inter - k0 < CHUNK ? inter - k0 : CHUNK;
+#pragma omp simd
+      for (int64_t k = 0; k < n; ++k) {
+        g[k] = static_cast<uint32_t>(gate[k0 + k]) << 16;
+        u[k] = static_cast<uint32_t>(up[k0 + k]) << 16;
+      }
+#pragma omp simd
+      for (int64_t k = 0; k < n; ++k) {
+        float gf, uf;
+        std::memcpy(&gf, &g[k], sizeof gf);
+        std::memcpy(&uf, &u[k], sizeof uf);
+        const float prod = round_bf16(gf / (1.f + exp_approx(-gf))) * uf;  // silu(gate) in bf16
+        const float y = round_bf16(prod);
+        std::memcpy(&g[k], &y, sizeof y);
+      }
+#pragma omp simd
+      for (int64_t k = 0; k < n; ++k) o[k0 + k] = static_cast<uint16_t>(g[k] >> 16);
+    }
+  }
+}
+
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter, int64_t x_stride) {
 #pragma omp parallel for schedule(static) if (rows * inter >= kParallelMin)
@@ -179,7 +223,7 @@ void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t inter,
 }
 void silu_and_mul_bf16(uint16_t* out, const uint16_t* x, int64_t rows, int64_t inter,
                        int64_t x_stride) {
-  silu_and_mul(out, x, rows, inter, x_stride);
+  silu_and_mul_rows_bf16(out, x, rows, inter, x_stride);
 }
 
 // Each returns 0; 1 for an odd or too wide rotary_dim; 2 for a position outside the table.
