@@ -242,6 +242,27 @@ def test_native_prefill_bf16_state_pool(reference_calls) -> None:
     torch.testing.assert_close(pool.float(), pool_ref.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_native_kernels_under_subnormal_decays_leave_torch_unflushed(reference_calls) -> None:
+    """Strong decays (log gates down to -60 a token) drive the chunk's decay products below
+    float's normal range, where the kernels flush subnormals to zero (Intel cores slow down
+    ~4x on them otherwise): still the reference's result, and the caller's floating-point mode
+    is restored afterwards (torch keeps computing subnormals)."""
+    lens, slots, init = [64, 1, 33], [0, 1, 2], [True, True, False]
+    q, k, v, g, beta = make_qkvgb(sum(lens), seed=12)
+    g = g * 30.0  # log decays in [-60, 0]: exp of their running sums underflows
+    pool = torch.randn(3, HV, DK, DV)
+    pool_ref = pool.clone()
+    ref = get_recurrent_backend("torch_ref")
+    meta = ref.build_metadata(cu(lens), slots, init, "cpu")
+    o = native_fused(32).gated_delta_rule(q, k, v, g, beta, pool, meta)
+    o_ref = ref.gated_delta_rule(q, k, v, g, beta, pool_ref, meta)
+    assert not reference_calls
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(pool, pool_ref, atol=ATOL, rtol=ATOL)
+    tiny = torch.tensor([1e-30], dtype=torch.float32) * torch.tensor([1e-10])
+    assert tiny.item() != 0.0  # a subnormal product: not flushed in the caller
+
+
 def test_unsupported_head_dim_runs_the_reference(reference_calls) -> None:
     """Head dims the C++ prefill does not take (not a multiple of 8) fall back, same results."""
     hk, hv, dk, dv, n = 1, 2, 12, 6, 20

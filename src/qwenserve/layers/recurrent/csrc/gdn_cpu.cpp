@@ -17,6 +17,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 namespace {
 
 struct F32 {
@@ -441,6 +445,20 @@ void chunk_task(const ChunkArgs& a, Workspace& w, int64_t r, int64_t h) {
   for (int64_t i = 0; i < Dk * Dv; ++i) slot[i] = PT::store(w.S[i]);
 }
 
+// Flushes subnormal results and inputs to zero on this thread while it lives, restoring the
+// caller's mode after. The decays (exp of summed log gates) and their products with the state
+// underflow into subnormals, and Intel cores take a microcode assist per subnormal operand:
+// the chunked prefill of a Qwen3.5-0.8B-shaped step took 6.9 s on a Sapphire Rapids Xeon
+// (78% of the step). Values below 1.2e-38 change nothing a bf16 or fp32 model can show. Set per
+// call, not per process (as -ffast-math's start-up code would), so torch's own maths is untouched.
+struct FlushSubnormals {
+#if defined(__SSE__)
+  unsigned int saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8040u); }  // FTZ | DAZ
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+#endif
+};
+
 // This thread's workspace: fresh pages would cost a page fault each, on every call.
 Workspace& workspace(int64_t C, int64_t Dk, int64_t Dv) {
   static thread_local Workspace w;
@@ -452,6 +470,7 @@ template <typename DT, typename PT>
 void chunk_prefill(const ChunkArgs& a) {
 #pragma omp parallel
   {
+    const FlushSubnormals ftz;
     Workspace& w = workspace(a.C, a.Dk, a.Dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < a.num_prefills * a.Hv; ++task)
@@ -470,6 +489,7 @@ void gdn_decode_f32(float* out, float* pool, const float* q, const float* k, con
                     const uint8_t* has_init, int64_t B, int64_t H, int64_t Dk, int64_t Dv) {
 #pragma omp parallel
   {
+    const FlushSubnormals ftz;
     std::vector<float> kv(Dv), qs(Dv), delta(Dv);
 #pragma omp for schedule(static)
     for (int64_t idx = 0; idx < B * H; ++idx) {
