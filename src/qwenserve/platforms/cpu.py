@@ -90,8 +90,10 @@ class CpuPlatform(Platform):
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
     # place): 0.98-2.16x oneDNN's speed (CPU time) on the model's shapes at 8-2048 rows on the AVX2
     # EPYC, 1.1x or more but for o at 256 and qkv at 2048 rows; 0.91-1.33x at 6 over two runs
-    # (docs/benchmarks.md, "Issue 19: native fp32 GEMM").
-    native_gemm_min_rows = 8
+    # (docs/benchmarks.md, "Issue 19: native fp32 GEMM"). Not on AVX512 CPUs: there oneDNN's
+    # AVX512 kernels ran 1.1-2x faster than this AVX2 kernel at every size from 8 rows (Sapphire
+    # Rapids Xeon, docs/benchmarks.md "bf16 on AMX"); the 1-4-row skinny kernel still won there.
+    native_gemm_min_rows = 0 if "avx512f" in _cpu_flags() else 8
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
     # The draw in native/csrc/sampling.cpp: PyTorch's sorts and noises the whole vocabulary,
