@@ -226,17 +226,24 @@ def test_native_prefill_strided_views_odd_dims(dtype, reference_calls) -> None:
     torch.testing.assert_close(pool, pool_ref, atol=2e-5, rtol=2e-5)
 
 
-def test_native_prefill_bf16_state_pool(reference_calls) -> None:
-    """A bf16 state pool (--mamba-ssm-cache-dtype): read and written back in bf16, as the
-    reference does."""
-    lens, slots, init = [40, 1, 19], [2, 0, 1], [True, True, False]
-    q, k, v, g, beta = make_qkvgb(sum(lens), seed=11)
-    pool = torch.randn(3, HV, DK, DV).bfloat16()
+def native_and_reference(qkvgb, pool: torch.Tensor, lens: list[int], slots: list[int],
+                         init: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step through the C++ prefill (``pool`` updated in place) and through the reference
+    on a copy of the pool: (native out, reference out, the reference's pool)."""
     pool_ref = pool.clone()
     ref = get_recurrent_backend("torch_ref")
     meta = ref.build_metadata(cu(lens), slots, init, "cpu")
-    o = native_fused(32).gated_delta_rule(q, k, v, g, beta, pool, meta)
-    o_ref = ref.gated_delta_rule(q, k, v, g, beta, pool_ref, meta)
+    o = native_fused(32).gated_delta_rule(*qkvgb, pool, meta)
+    return o, ref.gated_delta_rule(*qkvgb, pool_ref, meta), pool_ref
+
+
+def test_native_prefill_bf16_state_pool(reference_calls) -> None:
+    """A bf16 state pool (--mamba-ssm-cache-dtype): read and written back in bf16, as the
+    reference does."""
+    lens = [40, 1, 19]
+    pool = torch.randn(3, HV, DK, DV).bfloat16()
+    o, o_ref, pool_ref = native_and_reference(make_qkvgb(sum(lens), seed=11), pool, lens,
+                                              [2, 0, 1], [True, True, False])
     assert not reference_calls
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool.float(), pool_ref.float(), atol=1e-2, rtol=1e-2)
@@ -247,15 +254,12 @@ def test_native_kernels_under_subnormal_decays_leave_torch_unflushed(reference_c
     float's normal range, where the kernels flush subnormals to zero (Intel cores slow down
     ~4x on them otherwise): still the reference's result, and the caller's floating-point mode
     is restored afterwards (torch keeps computing subnormals)."""
-    lens, slots, init = [64, 1, 33], [0, 1, 2], [True, True, False]
+    lens = [64, 1, 33]
     q, k, v, g, beta = make_qkvgb(sum(lens), seed=12)
     g = g * 30.0  # log decays in [-60, 0]: exp of their running sums underflows
     pool = torch.randn(3, HV, DK, DV)
-    pool_ref = pool.clone()
-    ref = get_recurrent_backend("torch_ref")
-    meta = ref.build_metadata(cu(lens), slots, init, "cpu")
-    o = native_fused(32).gated_delta_rule(q, k, v, g, beta, pool, meta)
-    o_ref = ref.gated_delta_rule(q, k, v, g, beta, pool_ref, meta)
+    o, o_ref, pool_ref = native_and_reference((q, k, v, g, beta), pool, lens, [0, 1, 2],
+                                              [True, True, False])
     assert not reference_calls
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(pool, pool_ref, atol=ATOL, rtol=ATOL)
