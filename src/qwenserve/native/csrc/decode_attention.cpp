@@ -7,8 +7,8 @@
 //                                          rows h*G .. h*G+G-1 (grouped-query attention)
 //
 // One task per sequence, one pass per KV head: the G query heads of a KV head share every K
-// and V row they read, so each row is loaded once. Scores are kept for the whole context (two passes: scores, then
-// softmax-weighted V), in float32 whatever the cache dtype. Rows are handled as vectors of 8
+// and V row they read, so each row is loaded once. Scores are kept for the whole context (two
+// passes: scores, then softmax-weighted V), in float32 whatever the cache dtype. Rows are handled as vectors of 8
 // floats (GCC vector extensions: AVX2 where the machine has it, SSE pairs elsewhere); the G dot
 // products of a row are independent chains, so they overlap in the core. Plain C++ over raw
 // pointers, called through ctypes: it builds in seconds and needs no torch headers.
@@ -66,12 +66,13 @@ typedef int32_t i8v __attribute__((vector_size(32)));
 
 // The lane sums of eight vectors at once: result lane i = hsum(s[i]), in 14 shuffles and 7
 // adds where eight hsums take ~80 scalar operations.
+inline v8 pair_sums(v8 x, v8 y) {  // [x 01, y 01, x 23, y 23, x 45, y 45, x 67, y 67]
+  return SHUFFLE(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
 inline v8 hsum8(const v8* s) {
-  const v8 a = SHUFFLE(s[0], s[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[0], s[1], 1, 9, 3, 11, 5, 13, 7, 15);
-  const v8 b = SHUFFLE(s[2], s[3], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[2], s[3], 1, 9, 3, 11, 5, 13, 7, 15);
-  const v8 c = SHUFFLE(s[4], s[5], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[4], s[5], 1, 9, 3, 11, 5, 13, 7, 15);
-  const v8 d = SHUFFLE(s[6], s[7], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(s[6], s[7], 1, 9, 3, 11, 5, 13, 7, 15);
-  // a = [s0 01, s1 01, s0 23, s1 23, s0 45, s1 45, s0 67, s1 67] (pair sums), b, c, d alike
+  const v8 a = pair_sums(s[0], s[1]), b = pair_sums(s[2], s[3]);
+  const v8 c = pair_sums(s[4], s[5]), d = pair_sums(s[6], s[7]);
   const v8 e = SHUFFLE(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
   const v8 f = SHUFFLE(c, d, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(c, d, 2, 3, 10, 11, 6, 7, 14, 15);
   // e = [s0 0-3, s1 0-3, s2 0-3, s3 0-3, s0 4-7, s1 4-7, s2 4-7, s3 4-7], f for s4-s7
