@@ -8,9 +8,15 @@ benchmarks/common.py), built once and measured in alternating rounds (median ste
     fp32 native   decode GEMMs through native/csrc/gemv.cpp (the CPU default)
     fp32 oneDNN   the same model with the skinny route off (``skinny_gemm_max_rows = 0``)
     int8 native   ``--quantization int8`` (W8A8; on CPUs without VNNI every int8 GEMM is native)
-    int8 oneDNN   W8A8 through ``torch._int_mm`` (``--int8-onednn``: very slow without VNNI)
+    int8 oneDNN   W8A8 through the platform's oneDNN int8 GEMM even without VNNI (very slow there)
+    bf16          bfloat16 weights and activations (packed oneDNN GEMMs where bf16 is native)
+    bf16 int8     ``--quantization int8`` with bfloat16 activations
+
+The default set is the bf16 pair on CPUs with native bf16 (AMX / AVX512-BF16), where bf16 is the
+mode users run, and the three fp32 engines elsewhere; ``--engines`` names any of them.
 
     PYTHONPATH=src python benchmarks/decode_bandwidth.py [--threads 2] [--steps 16] [--rounds 3]
+    PYTHONPATH=src python benchmarks/decode_bandwidth.py --engines "bf16,bf16 int8" --batch 64
     PYTHONPATH=src python benchmarks/decode_bandwidth.py --threads 1 --cpu-time   # busy host
 """
 
@@ -66,19 +72,22 @@ def decode_steps(llm, prompt: list[int], steps: int, request_id: str, cpu: bool,
     return times
 
 
+ENGINES = ("fp32 native", "fp32 oneDNN", "int8 native", "int8 oneDNN", "bf16", "bf16 int8")
+
+
 def build(path: str, name: str):
     from qwenserve import LLM
     from qwenserve.platforms.cpu import CpuPlatform
 
-    skinny = 0 if name == "fp32 oneDNN" else 4
-    int8_rows = (lambda self: 0) if name == "int8 oneDNN" else None
     saved = CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows
-    CpuPlatform.skinny_gemm_max_rows = skinny
-    if int8_rows is not None:
-        CpuPlatform.int8_skinny_max_rows = int8_rows
+    if name == "fp32 oneDNN":
+        CpuPlatform.skinny_gemm_max_rows = 0
+    if name == "int8 oneDNN":
+        CpuPlatform.int8_skinny_max_rows = lambda self: 0
     try:
-        quant = {"quantization": "int8"} if name.startswith("int8") else {}
-        return LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, **quant)
+        quant = {"quantization": "int8"} if "int8" in name else {}
+        dtype = "bfloat16" if name.startswith("bf16") else "float32"
+        return LLM(path, dtype=dtype, max_model_len=MAX_MODEL_LEN, **quant)
     finally:
         CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows = saved
 
@@ -89,7 +98,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--int8-onednn", action="store_true", help="also time int8 via torch._int_mm")
+    p.add_argument("--engines", default=None,
+                   help=f"comma-separated, from: {', '.join(ENGINES)} (default: see above)")
     p.add_argument("--batch", type=int, default=1,
                    help="concurrent requests per step (the bandwidth %% is for batch 1)")
     p.add_argument("--cpu-time", action="store_true",
@@ -97,11 +107,18 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from qwenserve.platforms.cpu import CpuPlatform
+
     torch.set_num_threads(args.threads)
-    path = random_model("bench-qwen25-05b", "qwen2", **QWEN25_05B)
-    names = ["fp32 native", "fp32 oneDNN", "int8 native"]
-    if args.int8_onednn:
-        names.append("int8 oneDNN")
+    path = random_model("qwen2.5-0.5b-random", **QWEN25_05B)
+    if args.engines:
+        names = [n.strip() for n in args.engines.split(",")]
+        if unknown := [n for n in names if n not in ENGINES]:
+            p.error(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
+    elif CpuPlatform().supports_native_bf16():
+        names = ["bf16", "bf16 int8"]
+    else:
+        names = ["fp32 native", "fp32 oneDNN", "int8 native"]
     engines = {name: build(path, name) for name in names}
     prompt = list(range(100, 100 + args.prompt_len))
     steps: dict[str, list[float]] = {name: [] for name in names}
@@ -109,7 +126,8 @@ def main() -> None:
     for r in range(args.rounds):
         bandwidth.append(read_bandwidth(args.cpu_time))
         for name in (names if r % 2 == 0 else list(reversed(names))):
-            n = args.steps if "oneDNN" not in name or "fp32" in name else 2
+            slow = name == "int8 oneDNN" and CpuPlatform().int8_skinny_max_rows() > 0  # no VNNI
+            n = 2 if slow else args.steps
             steps[name] += decode_steps(engines[name], prompt, n, f"{name}-{r}", args.cpu_time,
                                         args.batch)
     bw = statistics.median(bandwidth)
@@ -126,7 +144,7 @@ def main() -> None:
         base = base or step
         print(f"| {name} | {nbytes / 2**20:,.0f} | {step * 1e3:.1f} | {args.batch / step:.1f} | "
               f"{nbytes / step / 1e9:.1f} | {100 * nbytes / step / bw:.0f}% |")
-    print("tok/s ratios vs fp32 native: " + ", ".join(
+    print(f"tok/s ratios vs {names[0]}: " + ", ".join(
         f"{name} {base / statistics.median(steps[name]):.2f}x" for name in names[1:]))
 
 

@@ -1,6 +1,7 @@
 """The fused elementwise kernels (native/csrc/elementwise.cpp) against the layers' PyTorch
-reference: RMSNorm with and without the residual add (plain and zero-centred), SiLU-and-mul and
-rotary, in fp32 and bf16, at odd sizes and on strided views as the model hands them over."""
+reference: RMSNorm with and without the residual add (plain and zero-centred), SiLU-and-mul,
+rotary and per-token int8 quantization, in fp32 and bf16, at odd sizes and on strided views as the
+model hands them over."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from qwenserve.layers.activation import silu_and_mul
 from qwenserve.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from qwenserve.layers.rotary import RotaryEmbedding
 from qwenserve.native.kernels import elementwise
+from qwenserve.quantization.kernels import Int8Matmul, quantize_per_token
 
 KERNELS = elementwise()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler: nothing native to test")
@@ -107,6 +109,50 @@ def test_rotary_in_place_equals_the_reference_bit_for_bit(dtype, rotary_dim):
     got_q, got_k = fused(positions, q, k)
     assert got_q.data_ptr() == qkv.data_ptr(), "rotated in place"
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k", [(1, 896), (64, 4864), (7, 33), (3, 1)])
+def test_int8_quantize_gives_the_reference_integers_and_scales(dtype, rows, k):
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 5).to(dtype)
+    x[-1] = 0  # an all-zero row: the scale floor, not a division by zero
+    if k >= 5:  # absmax 127 makes the scale exactly 1: x.5 values are ties (half to even)
+        x[0, :5] = torch.tensor([127.0, 2.5, -2.5, 0.5, -1.5]).to(dtype)
+    got, want = KERNELS.quantize_per_token(x), quantize_per_token(x)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    if k >= 5:
+        assert got[0][0, 1:5].tolist() == [2, -2, 0, -2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 896), (64, 9728), (5, 3)])
+def test_scale_rows_is_the_reference_multiply_and_cast(dtype, rows, n):
+    acc, row_scale = torch.randn(rows, n) * 1e3, torch.rand(rows, 1)
+    want = (acc * row_scale).to(dtype)
+    got = KERNELS.scale_rows(acc.clone(), row_scale, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_int8_quantize_reads_row_strided_views_and_the_matmul_uses_it():
+    wide = torch.randn(4, 100).bfloat16()
+    view = wide[:, 10:74]  # rows 100 apart, as a slice of a fused projection's output
+    got, want = KERNELS.quantize_per_token(view), quantize_per_token(view)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    matmul = Int8Matmul(None, quantizer=KERNELS)
+    calls = []
+    quantize = KERNELS.quantize_per_token
+
+    class Counting:
+        supports = KERNELS.supports
+
+        def quantize_per_token(self, x):
+            calls.append(x.shape)
+            return quantize(x)
+
+    matmul.quantizer = Counting()
+    assert torch.equal(matmul.quantize(view)[0], want[0]) and calls == [(4, 64)]
+    assert torch.equal(matmul.quantize(view.half())[0], quantize_per_token(view.half())[0])
+    assert calls == [(4, 64)]  # fp16 is not the kernel's: the reference ran
 
 
 def test_rotary_refuses_positions_beyond_the_table():

@@ -1,6 +1,7 @@
-"""bf16 GEMMs on weights packed once for oneDNN (AMX / AVX512-BF16 CPUs): the same numbers as
-F.linear, packed once per weight, packed again after an in-place write, forgotten with the
-weight, and chosen by the CPU platform only where bf16 is native and the switch is on."""
+"""GEMMs on weights packed once for oneDNN: bf16 (AMX / AVX512-BF16 CPUs) gives F.linear's
+numbers and int8 (AMX / VNNI) the exact W8A8 sums; each weight is packed once, packed again after
+an in-place write, forgotten with the weight; views are left to the plain kernels; and the CPU
+platform chooses them only where the CPU runs them natively and the switch is on."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.platforms import cpu as cpu_platform
+from qwenserve.platforms.base import int32_epilogue
 from qwenserve.platforms.cpu import CpuPlatform
-from qwenserve.platforms.cpu_packed_gemm import PackedBf16Linear, packed_bf16_linear
+from qwenserve.platforms.cpu_packed_gemm import (
+    PackedBf16Linear,
+    PackedInt8Matmul,
+    packed_bf16_linear,
+    packed_int8_matmul,
+)
 
 
 @pytest.fixture
@@ -20,6 +27,13 @@ def packed() -> PackedBf16Linear:
     if packed_bf16_linear() is None:
         pytest.skip("this torch build / CPU cannot pack bf16 weights for oneDNN")
     return PackedBf16Linear()
+
+
+@pytest.fixture
+def packed_int8() -> PackedInt8Matmul:
+    if packed_int8_matmul() is None:
+        pytest.skip("this torch build / CPU cannot pack int8 weights for oneDNN")
+    return PackedInt8Matmul()
 
 
 @pytest.mark.parametrize("lead", [(1,), (7,), (3, 5), (70,)])
@@ -45,20 +59,71 @@ def test_packs_once_repacks_after_a_write_and_forgets_freed_weights(packed, monk
     w = torch.nn.Parameter(torch.randn(16, 32).bfloat16(), requires_grad=False)
     for _ in range(3):
         packed(x, w)
-    assert len(reorders) == 1 and packed.packed_bytes == w.numel() * 2
+    assert len(reorders) == 1 and packed.packed.packed_bytes == w.numel() * 2
     with torch.no_grad():
         w.mul_(-1)  # a weight reloaded in place (same tensor, new values)
     torch.testing.assert_close(packed(x, w), F.linear(x, w), rtol=1.6e-2, atol=1e-2)
-    assert len(reorders) == 2 and packed.packed_bytes == w.numel() * 2
+    assert len(reorders) == 2 and packed.packed.packed_bytes == w.numel() * 2
     del w
     gc.collect()
-    assert packed.packed_bytes == 0 and not packed._packed
+    assert packed.packed.packed_bytes == 0 and not packed.packed._packed
 
 
-def test_other_dtypes_and_layouts_are_not_taken(packed):
+def test_other_dtypes_layouts_and_views_are_not_taken(packed):
     x, w = torch.randn(4, 32), torch.randn(16, 32)
     assert not packed.supports(x, w)
     assert not packed.supports(x.bfloat16(), w.bfloat16().t().contiguous().t())
+    stacked = torch.randn(3, 16, 32).bfloat16()  # experts: stacked[e] is a new view per call
+    assert not packed.supports(x.bfloat16(), stacked[1])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("bias,out_dtype", [(False, torch.float32), (True, torch.bfloat16)])
+def test_int8_sums_exactly_as_the_int32_epilogue(packed_int8, rows, bias, out_dtype):
+    a_q = torch.randint(-128, 128, (rows, 100), dtype=torch.int8)  # K not a multiple of 4 or 64
+    w_q = torch.randint(-127, 128, (72, 100), dtype=torch.int8)
+    scale, token_scale = torch.rand(72) * 1e-2, torch.rand(rows, 1)
+    int_bias = torch.randint(-5000, 5000, (72,), dtype=torch.int32) if bias else None
+    want = int32_epilogue(a_q.int() @ w_q.int().t(), scale, token_scale, int_bias, out_dtype)
+    got = packed_int8(a_q, w_q, scale, token_scale, int_bias, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (rows, 72)
+    torch.testing.assert_close(got, want, rtol=1e-6 if out_dtype == torch.float32 else 8e-3,
+                               atol=1e-6)
+
+
+def test_int8_packs_once_and_repacks_after_a_write(packed_int8):
+    a_q = torch.randint(-128, 128, (2, 64), dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    scale = torch.ones(8)
+    packed_int8(a_q, w_q, scale, None, None, torch.float32)
+    first = packed_int8.packed(w_q)
+    assert packed_int8.packed(w_q) is first and packed_int8.packed.packed_bytes == w_q.numel()
+    w_q.neg_()
+    assert packed_int8.packed(w_q) is not first
+    torch.testing.assert_close(packed_int8(a_q, w_q, scale, None, None, torch.float32),
+                               (a_q.int() @ w_q.int().t()).float())
+    assert not packed_int8.supports(a_q, torch.stack([w_q, w_q])[0])
+    assert not packed_int8.supports(a_q.float(), w_q)
+
+
+@pytest.mark.parametrize("int8_dot,switch,expect_packed", [
+    (True, None, True), (True, "0", False), (False, None, False)])
+def test_platform_routes_int8_to_packed_weights_only_with_vnni_or_amx(monkeypatch, int8_dot,
+                                                                      switch, expect_packed):
+    if expect_packed and packed_int8_matmul() is None:
+        pytest.skip("this torch build / CPU cannot pack int8 weights for oneDNN")
+    monkeypatch.setattr(CpuPlatform, "_has_int8_dot", staticmethod(lambda: int8_dot))
+    if switch is None:
+        monkeypatch.delenv("QWENSERVE_PACKED_INT8", raising=False)
+    else:
+        monkeypatch.setenv("QWENSERVE_PACKED_INT8", switch)
+    calls = []
+    monkeypatch.setattr(PackedInt8Matmul, "__call__",
+                        lambda self, *args: calls.append(args) or torch.zeros(1))
+    a_q = torch.randint(-128, 128, (3, 32), dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (8, 32), dtype=torch.int8)
+    CpuPlatform().int8_scaled_mm(a_q, w_q, torch.ones(8), None, None, torch.float32)
+    assert bool(calls) == expect_packed
 
 
 @pytest.mark.parametrize("native_bf16,switch,expect_packed", [

@@ -87,6 +87,7 @@ class Backends:
 
     @classmethod
     def for_platform(cls, platform: Platform) -> Backends:
+        elementwise = get_elementwise_kernels(platform.default_elementwise_backend)
         return cls(
             attention=get_attention_backend(platform.default_attention_backend),
             recurrent=get_recurrent_backend(platform.default_recurrent_backend),
@@ -94,8 +95,8 @@ class Backends:
                 with_native_gemm(platform.float_linear() or F.linear,
                                  platform.native_gemm_min_rows),
                 platform.skinny_gemm_max_rows),
-            int8_mm=Int8Matmul(platform),
-            elementwise=get_elementwise_kernels(platform.default_elementwise_backend),
+            int8_mm=Int8Matmul(platform, quantizer=elementwise),
+            elementwise=elementwise,
             sampling=get_sampling_kernel(platform.default_sampling_backend),
         )
 

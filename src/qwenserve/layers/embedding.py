@@ -78,9 +78,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.weight_scale is None:
             logits = self.float_linear(hidden, self.weight)
         else:
-            from qwenserve.quantization.kernels import quantize_per_token
-
-            hidden_q, token_scale = quantize_per_token(hidden)
+            hidden_q, token_scale = self.int8_matmul.quantize(hidden)
             logits = self.int8_matmul(hidden_q, self.weight, self.weight_scale.view(-1),
                                       token_scale, None, torch.float32)
         return self.tp.all_gather(logits, dim=-1).float()

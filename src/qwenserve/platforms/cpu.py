@@ -11,7 +11,12 @@ import psutil
 import torch
 
 from qwenserve.platforms.base import Platform, int32_epilogue
-from qwenserve.platforms.cpu_packed_gemm import PackedBf16Linear, packed_bf16_linear
+from qwenserve.platforms.cpu_packed_gemm import (
+    PackedBf16Linear,
+    PackedInt8Matmul,
+    packed_bf16_linear,
+    packed_int8_matmul,
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,9 +153,19 @@ class CpuPlatform(Platform):
         # native kernel (AVX2 vpmaddwd, the weight read once for all rows) ran 1.0-6x faster than
         # fp32: there it takes every int8 GEMM. With VNNI/AMX oneDNN keeps them all (it beat fp32
         # 2.2-3.8x on AVX512-VNNI, docs/quantization.md; the native kernel is unmeasured there).
-        if {"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags():
-            return 0
-        return 1 << 62
+        return 0 if self._has_int8_dot() else 1 << 62
+
+    @staticmethod
+    def _has_int8_dot() -> bool:
+        return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags())
+
+    def _packed_int8(self) -> PackedInt8Matmul | None:
+        """oneDNN's int8 GEMM on weights packed once, where VNNI/AMX runs it: torch._int_mm
+        reorders the plain weight on every call, and packed it ran 1.7-2.4x faster at 1-64 rows
+        on a Sapphire Rapids Xeon (docs/benchmarks.md, "INT8 on AMX")."""
+        if not self._has_int8_dot() or os.environ.get("QWENSERVE_PACKED_INT8") == "0":
+            return None
+        return packed_int8_matmul()
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,
@@ -159,6 +174,9 @@ class CpuPlatform(Platform):
         # oneDNN's int8 GEMM (VNNI) beat fp32 GEMM at every batch size measured on AVX512-VNNI
         # (docs/quantization.md); see int8_skinny_max_rows for AVX2. w_q.t() is a column-major view,
         # the layout oneDNN reads fastest: no transposed copy of the weight.
+        packed = self._packed_int8()
+        if packed is not None and packed.supports(a_q, w_q):
+            return packed(a_q, w_q, scale, token_scale, int_bias, out_dtype)
         if not _has_int_mm():
             return None
         acc = torch._int_mm(a_q, w_q.t())  # [M, N] int32

@@ -1,13 +1,16 @@
-"""bf16 GEMMs on weights packed once into oneDNN's blocked layout (CPUs with AMX / AVX512-BF16).
+"""GEMMs on weights packed once into oneDNN's blocked layout: bf16 on AMX / AVX512-BF16 CPUs,
+int8 (W8A8) on AMX-INT8 / VNNI CPUs.
 
-torch's bf16 ``F.linear`` on CPU hands oneDNN the plain [N, K] weight, and oneDNN reorders it
-into the blocked layout its AMX kernel reads, on every call: at decode sizes the reorder costs
-as much as the product (docs/benchmarks.md, "bf16 on AMX"). vLLM's CPU backend prepacks its
-weights for the same reason. Here each weight is packed at its first call and the packed copy
-kept beside it, keyed weakly by the weight tensor (it goes when the weight goes) and made again
-if the weight is written in place. The plain weight stays the model's: weight accounting, tied
-embeddings and sharded-state saving see it unchanged; the price is a second copy of the bf16
-weights in host memory (logged once; ``QWENSERVE_PACKED_BF16=0`` turns packing off).
+torch's bf16 ``F.linear`` and int8 ``torch._int_mm`` hand oneDNN the plain [N, K] weight, and
+oneDNN reorders it into the blocked layout its AMX / VNNI kernel reads, on every call: at decode
+sizes the reorder costs as much as the product (docs/benchmarks.md, "bf16 on AMX" and "INT8 on
+AMX"). vLLM's CPU backend prepacks its weights for the same reason. Here each weight is packed at
+its first call and the packed copy kept beside it, keyed weakly by the weight tensor (it goes when
+the weight goes) and made again if the weight is written in place. The plain weight stays the
+model's: weight accounting, tied embeddings and sharded-state saving see it unchanged; the price
+is a second copy of those weights in host memory (logged once per kind;
+``QWENSERVE_PACKED_BF16=0`` / ``QWENSERVE_PACKED_INT8=0`` turn packing off). Views (one expert's
+slice of a stacked MoE weight) are a new tensor each call and are left to the plain kernels.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +29,7 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH_HINT = 64
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def _pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
 
 
@@ -34,37 +38,53 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class PackedBf16Linear:
-    """``linear(x, weight, bias)`` for bf16 weights through a once-packed copy of each."""
+def _pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.onednn.qlinear_prepack(weight, None)
 
-    def __init__(self) -> None:
+
+@functools.lru_cache(maxsize=64)
+def _zero_points(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int64)  # symmetric weights: one zero point per channel
+
+
+def _packed_int8_mm(a_q: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None, a_scale: float = 1.0,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(a_q @ w_q.T) * (a_scale * scale) + bias`` in out_dtype: oneDNN sums in int32 and
+    scales per tensor (a_scale) and per channel (scale)."""
+    zero_points = _zero_points(scale.shape[0])
+    return torch.ops.onednn.qlinear_pointwise(a_q, a_scale, 0, packed, scale, zero_points, bias,
+                                              1.0, 0, out_dtype, "none", [], "")
+
+
+def _is_packable(weight: torch.Tensor) -> bool:
+    """A 2-D CPU tensor of its own (not a view, which is a new tensor every call), contiguous."""
+    return (weight.dim() == 2 and weight.is_cpu and weight.is_contiguous()
+            and weight._base is None and not weight.requires_grad)
+
+
+class PackedWeights:
+    """Each weight's packed copy, made at its first use and again after an in-place write."""
+
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor], announce: str) -> None:
+        self._pack = pack
+        self._announce = announce  # logged when the first weight is packed
         # id(weight) -> (the weight's version when packed, the packed copy); an entry goes
         # when its weight is freed (tensors compare elementwise, so no WeakKeyDictionary)
         self._packed: dict[int, tuple[int, torch.Tensor]] = {}
         self.packed_bytes = 0  # of the weights packed so far
 
-    def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (weight.dtype == x.dtype == torch.bfloat16 and weight.dim() == 2
-                and weight.is_cpu and x.is_cpu and weight.is_contiguous()
-                and not weight.requires_grad)
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _packed_linear(x, self.packed(weight), bias)
-
-    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         """The blocked copy of ``weight``, made now if it has none or was written since."""
         key = id(weight)
         entry = self._packed.get(key)
         if entry is not None and entry[0] == weight._version:
             return entry[1]
-        packed = _pack(weight)
+        packed = self._pack(weight)
         if entry is None:
             weakref.finalize(weight, self._forget, key, weight.numel() * weight.element_size())
             if not self.packed_bytes:
-                logger.info("bf16 GEMMs read each weight packed once for oneDNN's AMX/AVX512-BF16 "
-                            "kernels: a second copy of the bf16 weights in host memory "
-                            "(QWENSERVE_PACKED_BF16=0 turns this off)")
+                logger.info(self._announce)
             self.packed_bytes += weight.numel() * weight.element_size()
         self._packed[key] = (weight._version, packed)
         return packed
@@ -74,17 +94,91 @@ class PackedBf16Linear:
             self.packed_bytes -= nbytes
 
 
+class PackedBf16Linear:
+    """``linear(x, weight, bias)`` for bf16 weights through a once-packed copy of each."""
+
+    def __init__(self) -> None:
+        self.packed = PackedWeights(
+            _pack_bf16, "bf16 GEMMs read each weight packed once for oneDNN's AMX/AVX512-BF16 "
+            "kernels: a second copy of the bf16 weights in host memory "
+            "(QWENSERVE_PACKED_BF16=0 turns this off)")
+
+    def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return weight.dtype == x.dtype == torch.bfloat16 and x.is_cpu and _is_packable(weight)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _packed_linear(x, self.packed(weight), bias)
+
+
+class PackedInt8Matmul:
+    """The W8A8 GEMM ``(a_q @ w_q.T + int_bias) * scale * token_scale`` through a once-packed
+    copy of each int8 weight (the ``Platform.int8_scaled_mm`` contract)."""
+
+    def __init__(self) -> None:
+        self.packed = PackedWeights(
+            _pack_int8, "int8 GEMMs read each weight packed once for oneDNN's AMX/VNNI kernels: "
+            "a second copy of the int8 weights in host memory (QWENSERVE_PACKED_INT8=0 turns "
+            "this off)")
+
+    def supports(self, a_q: torch.Tensor, w_q: torch.Tensor) -> bool:
+        return (a_q.dtype == w_q.dtype == torch.int8 and a_q.is_cpu and a_q.dim() == 2
+                and a_q.is_contiguous() and _is_packable(w_q))
+
+    def __call__(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                 token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+        """a_q [M, K] int8, w_q [N, K] int8, scale [N] float32, token_scale [M, 1] -> [M, N]."""
+        scale = scale.float()
+        if token_scale is not None and a_q.shape[0] == 1 and int_bias is None:
+            # one row (batch-1 decode): its scale is a per-tensor one, which oneDNN applies
+            # with the channel scales, writing out_dtype itself: no fp32 pass after the GEMM
+            # (the scales multiply before the sum does, so fp32 results differ in the last bit)
+            return _packed_int8_mm(a_q, self.packed(w_q), scale, None, float(token_scale),
+                                   out_dtype)
+        bias = None if int_bias is None else int_bias.float() * scale  # (acc + b) * s
+        out = _packed_int8_mm(a_q, self.packed(w_q), scale, bias)
+        if token_scale is not None:
+            out.mul_(token_scale)
+        return out.to(out_dtype)
+
+
+def _self_test(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], what: str) -> bool:
+    """Whether this torch build runs the packed kernel (``run`` gives it and its reference) and
+    agrees; logs the fallback once otherwise."""
+    try:
+        got, want = run()
+        if torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2):
+            return True
+    except (RuntimeError, AttributeError):
+        pass
+    logger.info("this torch build cannot pack %s weights for oneDNN; they use the plain kernel",
+                what)
+    return False
+
+
+def _bf16_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    x, w, b = (torch.randn(3, 2, 32).bfloat16(), torch.randn(16, 32).bfloat16(),
+               torch.randn(16).bfloat16())
+    # the kernel's own two calls, without its log line
+    return _packed_linear(x, _pack_bf16(w), b), torch.nn.functional.linear(x, w, b)
+
+
+def _int8_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.randint(-128, 128, (3, 36), dtype=torch.int8)
+    w = torch.randint(-127, 128, (16, 36), dtype=torch.int8)
+    scale = torch.rand(16)
+    want = (a.int() @ w.int().t()).float() * scale
+    return _packed_int8_mm(a, _pack_int8(w), scale, None), want
+
+
 @functools.lru_cache(maxsize=1)
 def packed_bf16_linear() -> PackedBf16Linear | None:
     """The packed bf16 GEMM where this torch build has it and it matches ``F.linear``."""
-    try:
-        x, w, b = (torch.randn(3, 2, 32).bfloat16(), torch.randn(16, 32).bfloat16(),
-                   torch.randn(16).bfloat16())
-        got = _packed_linear(x, _pack(w), b)  # the kernel's own two calls, without its log line
-        if torch.allclose(got.float(), torch.nn.functional.linear(x, w, b).float(),
-                          atol=1e-2, rtol=1e-2):
-            return PackedBf16Linear()
-    except (RuntimeError, AttributeError):
-        pass
-    logger.info("this torch build cannot pack bf16 weights for oneDNN; bf16 GEMMs use F.linear")
-    return None
+    return PackedBf16Linear() if _self_test(_bf16_pair, "bf16") else None
+
+
+@functools.lru_cache(maxsize=1)
+def packed_int8_matmul() -> PackedInt8Matmul | None:
+    """The packed int8 GEMM where this torch build has it and it sums exactly."""
+    return PackedInt8Matmul() if _self_test(_int8_pair, "int8") else None

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenserve.quantization.kernels import Int8Matmul, quantize_per_token
+from qwenserve.quantization.kernels import Int8Matmul
 
 
 class Int8Experts:
@@ -43,10 +43,10 @@ class Int8Experts:
         layer.w2_scale = param(num_local, hidden, 1, dtype=torch.float32, fill=1.0)
 
     def expert_mlp(self, layer: nn.Module, x: torch.Tensor, expert: int) -> torch.Tensor:
-        x_q, x_scale = quantize_per_token(x)  # [n, H] int8, [n, 1]
+        x_q, x_scale = self.matmul.quantize(x)  # [n, H] int8, [n, 1]
         h = self.matmul(x_q, layer.w13[expert], layer.w13_scale[expert].view(-1), x_scale,
                         None, x.dtype)  # [n, 2I]
         gate, up = h.chunk(2, dim=-1)
-        a_q, a_scale = quantize_per_token(F.silu(gate) * up)  # [n, I] int8, [n, 1]
+        a_q, a_scale = self.matmul.quantize(F.silu(gate) * up)  # [n, I] int8, [n, 1]
         return self.matmul(a_q, layer.w2[expert], layer.w2_scale[expert].view(-1), a_scale,
                            None, x.dtype)  # [n, H]

@@ -22,7 +22,6 @@ from qwenserve.layers.linear import (
 )
 from qwenserve.quantization.kernels import (
     Int8Matmul,
-    quantize_per_token,
     quantize_static,
     quantize_weight,
 )
@@ -74,7 +73,7 @@ class Int8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        x_q, token_scale = quantize_per_token(_flat(x))  # [T, in] int8, [T, 1]
+        x_q, token_scale = self.matmul.quantize(_flat(x))  # [T, in] int8, [T, 1]
         y = self.matmul(x_q, layer.weight, layer.weight_scale.view(-1), token_scale, None,
                         x.dtype)  # [T, out]
         if bias is not None:

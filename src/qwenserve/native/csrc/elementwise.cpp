@@ -7,6 +7,8 @@
 //                 (Qwen3) read the heads in place in the fused qkv output
 //   silu_and_mul  silu(gate) * up from the merged [gate | up] projection
 //   rotary        NeoX rotary embedding of q and k in place, cos/sin looked up per token
+//   quantize_rows dynamic symmetric int8 per row (W8A8 activations): scale = absmax / 127
+//   scale_rows    an fp32 GEMM result times one scale per row (the W8A8 token scale), cast
 //
 // Each reproduces the reference's roundings: bf16 values are widened to fp32, and rounded back
 // to bf16 (nearest even, as torch) wherever the reference produces a bf16 tensor. fp32 results
@@ -196,6 +198,51 @@ int rotary(T* q, T* k, const int64_t* positions, const float* cos, const float* 
   return 0;
 }
 
+// ---- int8 per row ---------------------------------------------------------------------------
+// As quantization/kernels.py's quantize_per_token, to the same integers and scales: scale =
+// max(absmax, 1e-10) / 127 and q = round-half-even(clamp(x * (1 / scale), -128, 127)) in fp32. One pass to find the row's absmax, one to write it; the reference runs about
+// ten torch ops per call (each a pass, and a thread wake-up), which cost more than the int8
+// GEMM's saving at decode sizes.
+template <typename T>
+void quantize_rows(int8_t* q, float* scale, const T* x, int64_t rows, int64_t k,
+                   int64_t x_stride) {
+  constexpr float kRounder = 1.5f * 8388608.0f;  // v + R - R rounds half to even for |v| < 2^22
+#pragma omp parallel for schedule(static) if (rows * k >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < k; ++i) {
+      const float a = std::fabs(to_float(xr[i]));
+      amax = a > amax ? a : amax;
+    }
+    const float s = (amax > 1e-10f ? amax : 1e-10f) / 127.0f;
+    scale[r] = s;
+    const float inv = 1.0f / s;
+    int8_t* qr = q + r * k;
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) {
+      float v = to_float(xr[i]) * inv;
+      v = v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v);
+      qr[i] = static_cast<int8_t>(static_cast<int32_t>((v + kRounder) - kRounder));
+    }
+  }
+}
+
+// out[r, :] = acc[r, :] * row_scale[r], rounded to T: the per-token half of the W8A8 epilogue
+// in one pass (torch: a multiply and a cast, two passes and two thread wake-ups).
+template <typename T>
+void scale_rows(T* out, const float* acc, const float* row_scale, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = row_scale[r];
+    const float* a = acc + r * n;
+    T* o = out + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) store(o + i, a[i] * s);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -235,6 +282,24 @@ int rotary_bf16(uint16_t* q, uint16_t* k, const int64_t* positions, const float*
                 int64_t hk, int64_t d, int64_t rot, int64_t max_position) {
   return rotary(q, k, positions, cos, sin, tokens, q_stride, k_stride, hq, hk, d, rot,
                 max_position);
+}
+
+void quantize_rows_f32(int8_t* q, float* scale, const float* x, int64_t rows, int64_t k,
+                       int64_t x_stride) {
+  quantize_rows(q, scale, x, rows, k, x_stride);
+}
+void quantize_rows_bf16(int8_t* q, float* scale, const uint16_t* x, int64_t rows, int64_t k,
+                        int64_t x_stride) {
+  quantize_rows(q, scale, x, rows, k, x_stride);
+}
+
+void scale_rows_f32(float* out, const float* acc, const float* row_scale, int64_t rows,
+                    int64_t n) {
+  scale_rows(out, acc, row_scale, rows, n);
+}
+void scale_rows_bf16(uint16_t* out, const float* acc, const float* row_scale, int64_t rows,
+                     int64_t n) {
+  scale_rows(out, acc, row_scale, rows, n);
 }
 
 }  // extern "C"

@@ -45,4 +45,13 @@ inline float exp_approx(float x) {
   return over ? INFINITY : (under ? 0.f : e);
 }
 
+// The largest of x[0..n) (-inf for n == 0), in a form GCC vectorises: std::max's NaN ordering
+// kept it a scalar chain of dependent maxss (a fifth of the decode-attention kernel's time).
+inline float max_of(const float* x, int64_t n) {
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  return mx;
+}
+
 }  // namespace
