@@ -108,6 +108,8 @@ class TorchRefBackend(AttentionBackend):
                 kv_cache: torch.Tensor, meta: TorchRefMetadata, scale: float) -> torch.Tensor:
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)  # [num_kv_slots, Hkv, D]
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        if 0 < meta.num_decodes == q.shape[0]:  # a decode-only step: no copy into a new tensor
+            return self.decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         if meta.num_decodes:
             n = meta.num_decodes

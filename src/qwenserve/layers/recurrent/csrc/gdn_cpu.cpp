@@ -110,7 +110,12 @@ void conv(typename DT::T* out, const typename DT::T* x, int64_t x_stride, const 
           const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
   using T = typename DT::T;
   const int64_t hist = K - 1;
-  constexpr int64_t kBlock = 256;  // channels per task: enough tasks for one long request
+  // Channels per task: 256 gives one long request enough tasks; a decode-only batch (one token
+  // per request) takes 2,048, since 64 decodes x 6,144 channels in blocks of 256 made 1,536
+  // tasks of ~1 us each, and their scheduling cost more than the work (0.6 ms a layer).
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R; ++r) longest = std::max(longest, qsl[r + 1] - qsl[r]);
+  const int64_t kBlock = longest > 1 ? 256 : 2048;
   const int64_t blocks = (D + kBlock - 1) / kBlock;
 #pragma omp parallel
   {
@@ -120,9 +125,14 @@ void conv(typename DT::T* out, const typename DT::T* x, int64_t x_stride, const 
       const int64_t r = task / blocks, c0 = (task % blocks) * kBlock;
       const int64_t nc = std::min(kBlock, D - c0), first = qsl[r], n = qsl[r + 1] - qsl[r];
       T* st = state + slots[r] * hist * D + c0;
-      for (int64_t j = 0; j < hist; ++j)  // the history, oldest row first
-        for (int64_t c = 0; c < nc; ++c)
-          past[j * kBlock + c] = has_init[r] ? DT::load(st[j * D + c]) : 0.0f;
+      for (int64_t j = 0; j < hist; ++j) {  // the history, oldest row first
+        float* pj = past.data() + j * kBlock;
+        if (has_init[r]) {
+          for (int64_t c = 0; c < nc; ++c) pj[c] = DT::load(st[j * D + c]);
+        } else {
+          std::fill(pj, pj + nc, 0.0f);
+        }
+      }
       float* a = acc.data();
       for (int64_t t = 0; t < n; ++t) {
         for (int64_t c = 0; c < nc; ++c) a[c] = bias ? bias[c0 + c] : 0.0f;
