@@ -106,6 +106,14 @@ def test_int8_packs_once_and_repacks_after_a_write(packed_int8):
     assert not packed_int8.supports(a_q.float(), w_q)
 
 
+def set_switch(monkeypatch, name: str, value: str | None) -> None:
+    """The environment switch ``name`` set to ``value``, or unset (None)."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("int8_dot,switch,expect_packed", [
     (True, None, True), (True, "0", False), (False, None, False)])
 def test_platform_routes_int8_to_packed_weights_only_with_vnni_or_amx(monkeypatch, int8_dot,
@@ -113,10 +121,7 @@ def test_platform_routes_int8_to_packed_weights_only_with_vnni_or_amx(monkeypatc
     if expect_packed and packed_int8_matmul() is None:
         pytest.skip("this torch build / CPU cannot pack int8 weights for oneDNN")
     monkeypatch.setattr(CpuPlatform, "_has_int8_dot", staticmethod(lambda: int8_dot))
-    if switch is None:
-        monkeypatch.delenv("QWENSERVE_PACKED_INT8", raising=False)
-    else:
-        monkeypatch.setenv("QWENSERVE_PACKED_INT8", switch)
+    set_switch(monkeypatch, "QWENSERVE_PACKED_INT8", switch)
     calls = []
     monkeypatch.setattr(PackedInt8Matmul, "__call__",
                         lambda self, *args: calls.append(args) or torch.zeros(1))
@@ -133,10 +138,7 @@ def test_platform_routes_bf16_to_packed_weights_only_where_native(monkeypatch, n
     if expect_packed and packed_bf16_linear() is None:
         pytest.skip("this torch build / CPU cannot pack bf16 weights for oneDNN")
     monkeypatch.setattr(CpuPlatform, "supports_native_bf16", lambda self: native_bf16)
-    if switch is None:
-        monkeypatch.delenv("QWENSERVE_PACKED_BF16", raising=False)
-    else:
-        monkeypatch.setenv("QWENSERVE_PACKED_BF16", switch)
+    set_switch(monkeypatch, "QWENSERVE_PACKED_BF16", switch)
     linear = CpuPlatform().float_linear()
     assert (getattr(linear, "func", None) is cpu_platform._packed_or) == expect_packed
     assert CpuPlatform().float_linear() is linear  # one object per route: wrappers compare it

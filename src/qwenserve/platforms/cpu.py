@@ -161,8 +161,9 @@ class CpuPlatform(Platform):
 
     def _packed_int8(self) -> PackedInt8Matmul | None:
         """oneDNN's int8 GEMM on weights packed once, where VNNI/AMX runs it: torch._int_mm
-        reorders the plain weight on every call, and packed it ran 1.7-2.4x faster at 1-64 rows
-        on a Sapphire Rapids Xeon (docs/benchmarks.md, "INT8 on AMX")."""
+        reorders the plain weight on every call; packed, the large shapes (gate_up, LM head) ran
+        1.2-2.6x faster at 1-64 rows on a Sapphire Rapids Xeon, the small ones the same
+        (docs/benchmarks.md, "INT8 on AMX")."""
         if not self._has_int8_dot() or os.environ.get("QWENSERVE_PACKED_INT8") == "0":
             return None
         return packed_int8_matmul()
