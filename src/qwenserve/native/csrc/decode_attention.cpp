@@ -205,8 +205,12 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
 // in the generic kernel; only the summation order differs.
 typedef int32_t i16v __attribute__((vector_size(64)));
 typedef float f16v __attribute__((vector_size(64)));
+#if defined(__clang__)
+#define SHUFFLE16(a, b, ...) ((__m512)__builtin_shufflevector((f16v)(a), (f16v)(b), __VA_ARGS__))
+#else
 #define SHUFFLE16(a, b, ...) \
   ((__m512)__builtin_shuffle((f16v)(a), (f16v)(b), i16v{__VA_ARGS__}))
+#endif
 
 inline __m512 pair_sums16(__m512 x, __m512 y) {  // [x 01, y 01, x 23, y 23, ...]
   return _mm512_add_ps(SHUFFLE16(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
