@@ -2,7 +2,8 @@
 decode steps and the conv, on varlen batches with initial states (prefix-cache restores and
 continuations), in fp32 and bf16. ``fused`` runs twice: with its C++ kernels, and with them
 off (the fallback a machine without a compiler gets). The C++ chunked prefill also runs at other
-chunk sizes, on strided q/k/v views with partial register tiles, and with a bf16 state pool."""
+chunk sizes, on strided q/k/v views with partial register tiles, and with a bf16 state pool; its
+C++ decode reads the layer's strided, unnormalised q/k/v in place."""
 
 from __future__ import annotations
 
@@ -222,6 +223,35 @@ def test_native_prefill_strided_views_odd_dims(dtype, reference_calls) -> None:
     o_ref = ref.gated_delta_rule(q, k, v, g, beta, pool_ref, meta)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     assert o.dtype == dtype and not reference_calls
+    torch.testing.assert_close(o, o_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(pool, pool_ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_reads_the_layer_tensors_in_place(dtype, monkeypatch) -> None:
+    """A decode-only step on strided q/k/v views (Hv = 3 Hk, q/k not normalised) goes to the
+    kernel that prepares them itself (``decode_rows``), never through prepare_qkv, and equals
+    the reference backend's step."""
+    if fused_module.native_ops() is None:
+        pytest.skip("no C++ toolchain here")
+    prepared = []
+    monkeypatch.setattr(fused_module, "prepare_qkv",
+                        lambda *a: prepared.append(1) or pytest.fail("prepare_qkv ran"))
+    hk, hv, dk, dv, n = 1, 3, 40, 24, 7
+    gen = torch.Generator().manual_seed(12)
+    mixed = torch.randn(n, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    q, k, v = (t.view(n, h, d) for t, h, d in zip(
+        mixed.split([hk * dk, hk * dk, hv * dv], dim=-1), (hk, hk, hv), (dk, dk, dv)))
+    g, beta = -torch.rand(n, hv, generator=gen), torch.rand(n, hv, generator=gen)
+    pool = torch.randn(n + 2, hv, dk, dv, generator=gen)
+    pool_ref = pool.clone()
+    slots, init = [3, 0, 8, 5, 1, 7, 2], [True, False, True, True, False, True, True]
+    ref = get_recurrent_backend("torch_ref")
+    meta = ref.build_metadata(list(range(n + 1)), slots, init, "cpu")
+    o = get_recurrent_backend("fused").gated_delta_rule(q, k, v, g, beta, pool, meta)
+    o_ref = ref.gated_delta_rule(q, k, v, g, beta, pool_ref, meta)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert o.dtype == dtype and not prepared
     torch.testing.assert_close(o, o_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(pool, pool_ref, atol=2e-5, rtol=2e-5)
 

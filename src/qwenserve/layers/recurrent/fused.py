@@ -71,6 +71,12 @@ class NativeGDN:
         self._decode = lib.gdn_decode_f32
         self._decode.argtypes = [_P] * 9 + [_I] * 4
         self._decode.restype = None
+        self._decode_rows = {}
+        for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(lib, f"gdn_decode_rows_{tag}")
+            fn.argtypes = [_P] * 5 + [_I] * 3 + [_P] * 5 + [_I] * 5
+            fn.restype = None
+            self._decode_rows[dtype] = fn
         self._conv = {}
         for dtype, name in self.CONV.items():
             fn = getattr(lib, name)
@@ -101,6 +107,29 @@ class NativeGDN:
                      g.data_ptr(), beta.data_ptr(), slots.data_ptr(), init.data_ptr(), b, h, dk,
                      v.shape[2])
         return out
+
+    def supports_decode_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             pool: torch.Tensor, out: torch.Tensor) -> bool:
+        return (q.dtype in self._decode_rows and k.dtype == v.dtype == out.dtype == q.dtype
+                and pool.dtype == torch.float32 and pool.is_contiguous()
+                and out.is_contiguous() and q.device.type == pool.device.type == "cpu"
+                and q.shape[-1] % 8 == 0 and v.shape[1] % k.shape[1] == 0)
+
+    def decode_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, pool: torch.Tensor, meta: GDNMetadata,
+                    out: torch.Tensor) -> None:
+        """The decodes' rows of out [T, Hv, Dv] (q's dtype, contiguous) from the layer's own q,
+        k [T, Hk, Dk] and v [T, Hv, Dv] (q/k not yet normalised) and g/beta [T, Hv]: the
+        preparation (normalising, head repeat, fp32) happens in the kernel."""
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        ints = [t.to(torch.int64).contiguous() for t in (meta.decode_tokens, meta.decode_slots)]
+        init = meta.decode_has_init.to(torch.uint8).contiguous()
+        self._decode_rows[q.dtype](
+            out.data_ptr(), pool.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+            q.stride(0), k.stride(0), v.stride(0), g.data_ptr(), beta.data_ptr(),
+            ints[0].data_ptr(), ints[1].data_ptr(), init.data_ptr(), meta.num_decodes,
+            q.shape[1], v.shape[1], q.shape[2], v.shape[2])
 
     @staticmethod
     def supports_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -183,6 +212,9 @@ def native_ops() -> NativeGDN | None:
 def _decode(ops: NativeGDN | None, raw: tuple[torch.Tensor, ...], pool: torch.Tensor,
             meta: GDNMetadata, out: torch.Tensor) -> None:
     """The decodes' rows of out; only those rows are prepared (normalised, heads repeated)."""
+    if ops is not None and ops.supports_decode_rows(*raw[:3], pool, out):
+        ops.decode_rows(*raw, pool, meta, out)
+        return
     rows = meta.decode_tokens
     prepared = prepare_qkv(*(t.index_select(0, rows) for t in raw))  # [n, ...] fp32
     slots, init = meta.decode_slots, meta.decode_has_init

@@ -1,7 +1,8 @@
 // Gated DeltaNet CPU kernels that PyTorch cannot express without extra passes over memory.
 // Plain C++ with extern "C" entry points, loaded with ctypes (qwenserve.native.load_library).
 //
-// gdn_decode_f32: one token per sequence, the state updated in place in its pool slot. The
+// gdn_decode_f32 / gdn_decode_rows_{f32,bf16}: one token per sequence, the state updated in
+//   place in its pool slot (the _rows form also prepares q, k, v from the layer's tensors). The
 //   PyTorch form gathers each state out of the pool, reads it twice and scatters it back
 //   (about five passes over 1 MiB per sequence and layer); here each (sequence, head) state is
 //   read once for both products and rewritten once while it is still in L2.
@@ -488,6 +489,71 @@ void chunk_prefill(const ChunkArgs& a) {
   }
 }
 
+// One (sequence, value head) decode step on its state S [Dk, Dv] in place: q, k (normalised, q
+// scaled), v rows in f32; o [Dv] f32. kv, qs, delta: [Dv] scratch.
+inline void decode_head(float* S, const float* qr, const float* kr, const float* vr, float decay,
+                        float bt, bool init, float* o, float* kv, float* qs, float* delta,
+                        int64_t Dk, int64_t Dv) {
+  if (!init) std::fill(S, S + Dk * Dv, 0.0f);  // a fresh slot may hold NaN
+  std::fill(kv, kv + Dv, 0.0f);
+  std::fill(qs, qs + Dv, 0.0f);
+  float kq = 0.0f;
+  for (int64_t i = 0; i < Dk; ++i) {
+    const float ki = kr[i], qi = qr[i];
+    const float* row = S + i * Dv;
+    kq += ki * qi;
+    for (int64_t j = 0; j < Dv; ++j) {
+      kv[j] += ki * row[j];
+      qs[j] += qi * row[j];
+    }
+  }
+  for (int64_t j = 0; j < Dv; ++j) {
+    const float d = bt * (vr[j] - decay * kv[j]);
+    delta[j] = d;
+    o[j] = decay * qs[j] + kq * d;
+  }
+  for (int64_t i = 0; i < Dk; ++i) {
+    const float ki = kr[i];
+    float* row = S + i * Dv;
+    for (int64_t j = 0; j < Dv; ++j) row[j] = decay * row[j] + ki * delta[j];
+  }
+}
+
+// The decodes of a step straight from the layer's tensors: q, k [T, Hk, Dk] and v [T, Hv, Dv]
+// as the conv left them (rows of any stride, heads contiguous; q/k not yet normalised), g, beta
+// [T, Hv] f32; token rows[i] of request i, its state in slot slots[i]. q and k are l2-normalised
+// here (q also scaled by Dk^-1/2) and value head h reads key head h / (Hv / Hk), as
+// prepare_qkv does; out [T, Hv, Dv] (contiguous, T) gets the decodes' rows. The Python form of
+// the same preparation took ~25 small torch ops a layer.
+template <typename DT>
+void decode_rows(typename DT::T* out, float* pool, const typename DT::T* q,
+                 const typename DT::T* k, const typename DT::T* v, int64_t q_stride,
+                 int64_t k_stride, int64_t v_stride, const float* g, const float* beta,
+                 const int64_t* rows, const int64_t* slots, const uint8_t* has_init, int64_t n,
+                 int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+  const int64_t group = Hv / Hk;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+#pragma omp parallel
+  {
+    const FlushSubnormals ftz;
+    std::vector<float> qf(Dk), kf(Dk), vf(Dv), of(Dv), kv(Dv), qs(Dv), delta(Dv);
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < n * Hv; ++idx) {
+      const int64_t i = idx / Hv, h = idx % Hv, t = rows[i], kh = h / group;
+      load_row<DT>(q + t * q_stride + kh * Dk, qf.data(), Dk);
+      load_row<DT>(k + t * k_stride + kh * Dk, kf.data(), Dk);
+      load_row<DT>(v + t * v_stride + h * Dv, vf.data(), Dv);
+      l2_normalise(qf.data(), Dk, q_scale);
+      l2_normalise(kf.data(), Dk, 1.0f);
+      float* S = pool + (slots[i] * Hv + h) * Dk * Dv;
+      decode_head(S, qf.data(), kf.data(), vf.data(), std::exp(g[t * Hv + h]), beta[t * Hv + h],
+                  has_init[i] != 0, of.data(), kv.data(), qs.data(), delta.data(), Dk, Dv);
+      typename DT::T* o = out + (t * Hv + h) * Dv;
+      for (int64_t j = 0; j < Dv; ++j) o[j] = DT::store(of[j]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -504,35 +570,29 @@ void gdn_decode_f32(float* out, float* pool, const float* q, const float* k, con
 #pragma omp for schedule(static)
     for (int64_t idx = 0; idx < B * H; ++idx) {
       const int64_t b = idx / H, h = idx % H;
-      float* S = pool + (slots[b] * H + h) * Dk * Dv;
-      const float *qr = q + idx * Dk, *kr = k + idx * Dk, *vr = v + idx * Dv;
-      float* o = out + idx * Dv;
-      const float decay = std::exp(g[idx]), bt = beta[idx];
-      if (!has_init[b]) std::fill(S, S + Dk * Dv, 0.0f);  // a fresh slot may hold NaN
-      std::fill(kv.begin(), kv.end(), 0.0f);
-      std::fill(qs.begin(), qs.end(), 0.0f);
-      float kq = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i) {
-        const float ki = kr[i], qi = qr[i];
-        const float* row = S + i * Dv;
-        kq += ki * qi;
-        for (int64_t j = 0; j < Dv; ++j) {
-          kv[j] += ki * row[j];
-          qs[j] += qi * row[j];
-        }
-      }
-      for (int64_t j = 0; j < Dv; ++j) {
-        const float d = bt * (vr[j] - decay * kv[j]);
-        delta[j] = d;
-        o[j] = decay * qs[j] + kq * d;
-      }
-      for (int64_t i = 0; i < Dk; ++i) {
-        const float ki = kr[i];
-        float* row = S + i * Dv;
-        for (int64_t j = 0; j < Dv; ++j) row[j] = decay * row[j] + ki * delta[j];
-      }
+      decode_head(pool + (slots[b] * H + h) * Dk * Dv, q + idx * Dk, k + idx * Dk, v + idx * Dv,
+                  std::exp(g[idx]), beta[idx], has_init[b] != 0, out + idx * Dv, kv.data(),
+                  qs.data(), delta.data(), Dk, Dv);
     }
   }
+}
+
+// decode_rows above, for f32 and bf16 layer tensors (the state pool is f32 either way).
+void gdn_decode_rows_f32(float* out, float* pool, const float* q, const float* k, const float* v,
+                         int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* g,
+                         const float* beta, const int64_t* rows, const int64_t* slots,
+                         const uint8_t* has_init, int64_t n, int64_t Hk, int64_t Hv, int64_t Dk,
+                         int64_t Dv) {
+  decode_rows<F32>(out, pool, q, k, v, q_stride, k_stride, v_stride, g, beta, rows, slots,
+                   has_init, n, Hk, Hv, Dk, Dv);
+}
+void gdn_decode_rows_bf16(uint16_t* out, float* pool, const uint16_t* q, const uint16_t* k,
+                          const uint16_t* v, int64_t q_stride, int64_t k_stride,
+                          int64_t v_stride, const float* g, const float* beta,
+                          const int64_t* rows, const int64_t* slots, const uint8_t* has_init,
+                          int64_t n, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+  decode_rows<BF16>(out, pool, q, k, v, q_stride, k_stride, v_stride, g, beta, rows, slots,
+                    has_init, n, Hk, Hv, Dk, Dv);
 }
 
 void gdn_conv_f32(float* out, const float* x, int64_t x_stride, const float* weight_t,
