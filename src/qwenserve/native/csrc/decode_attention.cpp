@@ -30,25 +30,6 @@ namespace {
 typedef float v8 __attribute__((vector_size(32)));
 constexpr int64_t W = 8;  // floats per v8
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN (a bit test: -ffast-math drops isnan)
-    *dst = 0x7fc0;
-    return;
-  }
-  bits += 0x7fff + ((bits >> 16) & 1);
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
-
 inline void load_row(v8* dst, const float* src, int64_t chunks) {
   std::memcpy(dst, src, chunks * sizeof(v8));
 }

@@ -27,35 +27,9 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-// x rounded to bf16 (nearest even, as torch; NaN becomes the quiet NaN 0x7fc0), kept as the fp32
-// value it stands for: 32-bit integer ops only, which vectorise where 16-bit lanes do not.
-inline float round_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  const uint32_t r = (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : rounded;
-  float f;
-  std::memcpy(&f, &r, sizeof f);
-  return f;
-}
-inline uint16_t bf16_bits(float x) {
-  uint32_t bits;
-  const float r = round_bf16(x);
-  std::memcpy(&bits, &r, sizeof bits);
-  return static_cast<uint16_t>(bits >> 16);
-}
 // The value a T tensor holds for x: x itself in fp32, x rounded to bf16 in bf16.
 inline float round_to(float x, float) { return x; }
 inline float round_to(float x, uint16_t) { return round_bf16(x); }
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) { *dst = bf16_bits(x); }
 
 // Enough elements for a second thread to pay for waking it. A decode batch's norm (64 x 896)
 // stays on one thread: its ~30 us are less than what a fork/join can cost when the OpenMP

@@ -1,5 +1,5 @@
-// Vectorisable float maths shared by the kernels (included, not a library of its own; the
-// build's cache key hashes every header of csrc/ with the sources).
+// Vectorisable float maths and the bf16 conversions shared by the kernels (included, not a
+// library of its own; the build's cache key hashes every header of csrc/ with the sources).
 #pragma once
 
 #include <cmath>
@@ -44,6 +44,34 @@ inline float exp_approx(float x) {
   const float e = p * s1 * s2;
   return over ? INFINITY : (under ? 0.f : e);
 }
+
+// bf16 is stored as its bits (uint16_t): the high half of a float32.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+// x rounded to bf16 (nearest even, as torch; NaN becomes the quiet NaN 0x7fc0), kept as the fp32
+// value it stands for: 32-bit integer ops only, which vectorise where 16-bit lanes do not.
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t r = (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : rounded;
+  float f;
+  std::memcpy(&f, &r, sizeof f);
+  return f;
+}
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  const float r = round_bf16(x);
+  std::memcpy(&bits, &r, sizeof bits);
+  return static_cast<uint16_t>(bits >> 16);
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) { *dst = bf16_bits(x); }
 
 // The largest of x[0..n) (-inf for n == 0), in a form GCC vectorises: std::max's NaN ordering
 // kept it a scalar chain of dependent maxss (a fifth of the decode-attention kernel's time).
