@@ -84,9 +84,14 @@ def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype):
     lens = [1, 17, 100, 250]
     tables = [torch.randperm(64)[: -(-n // bs)].tolist() for n in lens]
     chunks = [ChunkLayout(i, 1, n - 1, t) for i, (n, t) in enumerate(zip(lens, tables))]
-    q, k, v = (torch.randn(4, h, d).to(dtype) for h in (hq, hkv, hkv))
+    qkv = torch.randn(4, (hq + 2 * hkv) * d).to(dtype)  # views of one projection, as in a model
+    q, k, v = (t.view(4, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
     ref = get_attention_backend("torch_ref")
-    outs = [b.forward(q, k, v, cache.clone(), b.build_metadata(chunks, bs, torch.device("cpu")),
-                      d**-0.5) for b in (ref, native)]
+    caches = [cache.clone(), cache.clone()]
+    outs = [b.forward(q, k, v, c, b.build_metadata(chunks, bs, torch.device("cpu")), d**-0.5)
+            for b, c in zip((ref, native), caches)]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    # the decode-only step's K/V went into the cache inside the kernel, exactly where
+    # index_copy_ puts them (the tables share blocks, so every write precedes every read)
+    assert torch.equal(caches[1], caches[0])

@@ -25,7 +25,8 @@ FAST_MATH = ("-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fas
 
 
 class DecodeAttention:
-    """``csrc/decode_attention.cpp``: paged decode attention reading the cache in place."""
+    """``csrc/decode_attention.cpp``: paged decode attention reading the cache in place, and
+    (optionally) writing the step's new K and V into their slots first."""
 
     DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
@@ -33,7 +34,8 @@ class DecodeAttention:
         self._fns = {}
         for dtype, name in self.DTYPES.items():
             fn = getattr(lib, name)
-            fn.argtypes = [_P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
+            fn.argtypes = ([_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
+                           + [_P, _P, _I, _I, _P])
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
 
@@ -42,23 +44,38 @@ class DecodeAttention:
                 and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 ctx_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                 ctx_lens: torch.Tensor, block_size: int, scale: float,
+                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
         """q [n, Hq, D], kv_cache [2, num_slots, Hkv, D] (contiguous), block_tables
-        [n, W] int64, ctx_lens [n] int64 -> [n, Hq, D]."""
-        q = q.contiguous()
+        [n, W] int64, ctx_lens [n] int64 -> [n, Hq, D]. ``new_kv`` = (k [n, Hkv, D], v, slots
+        [n] int64): each sequence's new token, written into its slot before it is read."""
+        q = _heads_rows(q)
         tables, lens = block_tables.contiguous(), ctx_lens.contiguous()
         assert tables.dtype == lens.dtype == torch.int64 and tables.shape[0] == q.shape[0]
         n, hq, d = q.shape
         hkv = kv_cache.shape[2]
-        out = torch.empty_like(q)
-        status = self._fns[q.dtype](out.data_ptr(), q.data_ptr(), kv_cache[0].data_ptr(),
-                                    kv_cache[1].data_ptr(), tables.data_ptr(),
-                                    tables.shape[1],
-                                    lens.data_ptr(), n, hq, hkv, d, block_size, scale)
+        fresh: list = [None, None, 0, 0, None]
+        if new_kv is not None:
+            k, v, slots = _heads_rows(new_kv[0]), _heads_rows(new_kv[1]), new_kv[2].contiguous()
+            assert k.shape == v.shape == (n, hkv, d) and k.dtype == v.dtype == kv_cache.dtype
+            assert slots.dtype == torch.int64 and slots.shape == (n,)
+            fresh = [k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr()]
+        out = torch.empty(n, hq, d, dtype=q.dtype)
+        status = self._fns[q.dtype](out.data_ptr(), q.data_ptr(), q.stride(0),
+                                    kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), n, hq,
+                                    hkv, d, block_size, scale, *fresh)
         if status:
             raise ValueError(f"paged_decode: unsupported shape q {tuple(q.shape)}, "
                              f"kv_cache {tuple(kv_cache.shape)}")
         return out
+
+
+def _heads_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [n, H, D] with each row's heads contiguous (rows may be apart, as a slice of the fused
+    qkv projection's output is); a contiguous copy otherwise."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 def decode_attention() -> DecodeAttention | None:

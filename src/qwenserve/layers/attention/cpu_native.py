@@ -37,6 +37,16 @@ class CpuNativeBackend(TorchRefBackend):
             **{f: getattr(meta, f) for f in TorchRefMetadata.__dataclass_fields__},
             decode_ctx_lens=torch.tensor(lens, dtype=torch.long, device=device) if lens else None)
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: CpuNativeMetadata, scale: float) -> torch.Tensor:
+        if (0 < meta.num_decodes == q.shape[0] and self.kernels is not None
+                and self.kernels.supports(q, kv_cache)):
+            # a decode-only step: the kernel writes each token's K and V into its slot, then
+            # attends (two index_copy_ calls a layer fewer)
+            return self.kernels(q, kv_cache, meta.decode_blocks, meta.decode_ctx_lens,
+                                meta.block_size, scale, (k, v, meta.slot_mapping))
+        return super().forward(q, k, v, kv_cache, meta, scale)
+
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CpuNativeMetadata,
                 scale: float) -> torch.Tensor:
         if self.kernels is None or not self.kernels.supports(q, kv_cache):

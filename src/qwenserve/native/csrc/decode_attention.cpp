@@ -302,10 +302,23 @@ void decode_one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
 }
 #endif
 
+// The step's new tokens, written into their cache slots by the kernel before any sequence
+// attends (all of them first, as the two index_copy_ calls did: tables may share blocks): row i
+// of k / v (Hkv * D contiguous values, rows k_stride / v_stride apart) goes to slot slots[i].
+// k == null: the caller wrote the cache.
 template <typename T>
-int decode_all(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
-               int64_t table_width, const int64_t* lens, int64_t n, int64_t hq, int64_t hkv,
-               int64_t d, int64_t block_size, float scale) {
+struct NewKV {
+  const T* k;
+  const T* v;
+  int64_t k_stride, v_stride;
+  const int64_t* slots;
+};
+
+template <typename T>
+int decode_all(T* out, const T* q, int64_t q_stride, T* k_cache, T* v_cache,
+               const int64_t* tables, int64_t table_width, const int64_t* lens, int64_t n,
+               int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale,
+               NewKV<T> fresh) {
   if (d % W != 0 || hkv <= 0 || hq % hkv != 0) return 1;
   auto one = d == 64    ? decode_one<T, 8>
               : d == 128 ? decode_one<T, 16>
@@ -318,15 +331,28 @@ int decode_all(T* out, const T* q, const T* k_cache, const T* v_cache, const int
     if (d == 256) one = decode_one_bf16<8>;
   }
 #endif
+  const int64_t slot_stride = hkv * d;
   // One task per sequence, its KV heads in turn: a block holds every head's rows side by side,
   // and the heads' tasks on different cores each pulled the whole block from memory (the
   // prefetchers fetch the neighbouring lines); in one task the second head finds it in L2.
   // 64 x 264-token contexts x 24 layers from a DRAM-sized cache: 45.5 -> 34.8 ms, 2 threads.
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < hkv; ++h)
-      one(out + i * hq * d, q + i * hq * d, k_cache, v_cache, tables + i * table_width, lens[i], h,
-          hq, hkv, d, block_size, scale);
+#pragma omp parallel
+  {
+    if (fresh.k != nullptr) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(k_cache + fresh.slots[i] * slot_stride, fresh.k + i * fresh.k_stride,
+                    slot_stride * sizeof(T));
+        std::memcpy(v_cache + fresh.slots[i] * slot_stride, fresh.v + i * fresh.v_stride,
+                    slot_stride * sizeof(T));
+      }  // the loop's barrier: every new row is in place before any sequence reads
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < hkv; ++h)
+        one(out + i * hq * d, q + i * q_stride, k_cache, v_cache, tables + i * table_width,
+            lens[i], h, hq, hkv, d, block_size, scale);
+  }
   return 0;
 }
 
@@ -335,19 +361,25 @@ int decode_all(T* out, const T* q, const T* k_cache, const T* v_cache, const int
 extern "C" {
 
 // Each returns 0, or 1 when the shape is not one it handles (head size not a multiple of 8).
-int paged_decode_f32(float* out, const float* q, const float* k_cache, const float* v_cache,
-                     const int64_t* tables, int64_t table_width, const int64_t* lens, int64_t n,
-                     int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale) {
-  return decode_all(out, q, k_cache, v_cache, tables, table_width, lens, n, hq, hkv, d,
-                    block_size, scale);
+// q rows are q_stride apart (Hq * D contiguous values each); k_new == null: no cache writes.
+int paged_decode_f32(float* out, const float* q, int64_t q_stride, float* k_cache,
+                     float* v_cache, const int64_t* tables, int64_t table_width,
+                     const int64_t* lens, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                     int64_t block_size, float scale, const float* k_new, const float* v_new,
+                     int64_t k_stride, int64_t v_stride, const int64_t* new_slots) {
+  return decode_all(out, q, q_stride, k_cache, v_cache, tables, table_width, lens, n, hq, hkv, d,
+                    block_size, scale, NewKV<float>{k_new, v_new, k_stride, v_stride, new_slots});
 }
 
-int paged_decode_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
-                      const uint16_t* v_cache, const int64_t* tables, int64_t table_width,
+int paged_decode_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, uint16_t* k_cache,
+                      uint16_t* v_cache, const int64_t* tables, int64_t table_width,
                       const int64_t* lens, int64_t n, int64_t hq, int64_t hkv, int64_t d,
-                      int64_t block_size, float scale) {
-  return decode_all(out, q, k_cache, v_cache, tables, table_width, lens, n, hq, hkv, d,
-                    block_size, scale);
+                      int64_t block_size, float scale, const uint16_t* k_new,
+                      const uint16_t* v_new, int64_t k_stride, int64_t v_stride,
+                      const int64_t* new_slots) {
+  return decode_all(out, q, q_stride, k_cache, v_cache, tables, table_width, lens, n, hq, hkv, d,
+                    block_size, scale,
+                    NewKV<uint16_t>{k_new, v_new, k_stride, v_stride, new_slots});
 }
 
 }  // extern "C"
