@@ -50,14 +50,14 @@ class DecodeAttention:
         """q [n, Hq, D], kv_cache [2, num_slots, Hkv, D] (contiguous), block_tables
         [n, W] int64, ctx_lens [n] int64 -> [n, Hq, D]. ``new_kv`` = (k [n, Hkv, D], v, slots
         [n] int64): each sequence's new token, written into its slot before it is read."""
-        q = _heads_rows(q)
+        q = heads_rows(q)
         tables, lens = block_tables.contiguous(), ctx_lens.contiguous()
         assert tables.dtype == lens.dtype == torch.int64 and tables.shape[0] == q.shape[0]
         n, hq, d = q.shape
         hkv = kv_cache.shape[2]
         fresh: list = [None, None, 0, 0, None]
         if new_kv is not None:
-            k, v, slots = _heads_rows(new_kv[0]), _heads_rows(new_kv[1]), new_kv[2].contiguous()
+            k, v, slots = heads_rows(new_kv[0]), heads_rows(new_kv[1]), new_kv[2].contiguous()
             assert k.shape == v.shape == (n, hkv, d) and k.dtype == v.dtype == kv_cache.dtype
             assert slots.dtype == torch.int64 and slots.shape == (n,)
             fresh = [k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr()]
@@ -72,9 +72,9 @@ class DecodeAttention:
         return out
 
 
-def _heads_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [n, H, D] with each row's heads contiguous (rows may be apart, as a slice of the fused
-    qkv projection's output is); a contiguous copy otherwise."""
+def heads_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [n, H, D] with each row's heads contiguous (rows may be apart, as a slice of a fused
+    projection's output is): t itself where it is laid out so, a contiguous copy otherwise."""
     return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
@@ -172,9 +172,10 @@ def sgemm() -> Sgemm | None:
 
 
 class Elementwise:
-    """``csrc/elementwise.cpp``: residual-add + RMSNorm, SiLU-and-mul, rotary and per-token
-    int8 quantization in one pass each. Inputs are fp32 or bf16 CPU tensors whose last dimension is contiguous; ``supports``
-    says which, and callers run the PyTorch reference for anything else."""
+    """``csrc/elementwise.cpp``: residual-add + RMSNorm, SiLU-and-mul, rotary, per-token int8
+    quantization and the per-token rescale of an int8 GEMM, in one pass each. Inputs are fp32 or
+    bf16 CPU tensors whose last dimension is contiguous; ``supports`` says which, and callers
+    run the PyTorch reference for anything else."""
 
     DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 

@@ -159,8 +159,10 @@ class CpuPlatform(Platform):
     def _has_int8_dot() -> bool:
         return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags())
 
+    @functools.cached_property
     def _packed_int8(self) -> PackedInt8Matmul | None:
-        """oneDNN's int8 GEMM on weights packed once, where VNNI/AMX runs it: torch._int_mm
+        """oneDNN's int8 GEMM on weights packed once, where VNNI/AMX runs it (resolved once per
+        platform, not per GEMM call, as float_linear's route is): torch._int_mm
         reorders the plain weight on every call; packed, the large shapes (gate_up, LM head) ran
         1.2-2.6x faster at 1-64 rows on a Sapphire Rapids Xeon, the small ones the same
         (docs/benchmarks.md, "INT8 on AMX")."""
@@ -175,7 +177,7 @@ class CpuPlatform(Platform):
         # oneDNN's int8 GEMM (VNNI) beat fp32 GEMM at every batch size measured on AVX512-VNNI
         # (docs/quantization.md); see int8_skinny_max_rows for AVX2. w_q.t() is a column-major view,
         # the layout oneDNN reads fastest: no transposed copy of the weight.
-        packed = self._packed_int8()
+        packed = self._packed_int8
         if packed is not None and packed.supports(a_q, w_q):
             return packed(a_q, w_q, scale, token_scale, int_bias, out_dtype)
         if not _has_int_mm():

@@ -38,6 +38,7 @@ from qwenserve.layers.recurrent.torch_ref import (
 )
 from qwenserve.native import load_library
 from qwenserve.native.build import DEFAULT_CFLAGS
+from qwenserve.native.kernels import heads_rows
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "gdn_cpu.cpp")
 # FMA contraction: ISO C++ modes (-std=c++17) leave a * b + c unfused otherwise.
@@ -53,12 +54,6 @@ class _ChunkArgs(ctypes.Structure):
                 ("v_stride", _I), ("g", _P), ("beta", _P), ("pool", _P), ("out", _P),
                 ("starts", _P), ("lens", _P), ("slots", _P), ("has_init", _P),
                 ("num_prefills", _I), ("Hk", _I), ("Hv", _I), ("Dk", _I), ("Dv", _I), ("C", _I)]
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t [T, H, D] with heads and elements contiguous (rows may be strided, as the split conv
-    output's are); a contiguous copy otherwise."""
-    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 class NativeGDN:
@@ -121,7 +116,7 @@ class NativeGDN:
         """The decodes' rows of out [T, Hv, Dv] (q's dtype, contiguous) from the layer's own q,
         k [T, Hk, Dk] and v [T, Hv, Dv] (q/k not yet normalised) and g/beta [T, Hv]: the
         preparation (normalising, head repeat, fp32) happens in the kernel."""
-        q, k, v = _rows(q), _rows(k), _rows(v)
+        q, k, v = heads_rows(q), heads_rows(k), heads_rows(v)
         g, beta = g.float().contiguous(), beta.float().contiguous()
         ints = [t.to(torch.int64).contiguous() for t in (meta.decode_tokens, meta.decode_slots)]
         init = meta.decode_has_init.to(torch.uint8).contiguous()
@@ -147,7 +142,7 @@ class NativeGDN:
         [T, Hk, Dk], v [T, Hv, Dv] as the conv left them (q/k not yet normalised), g/beta
         [T, Hv]; reads and writes the pool in place and the prefills' rows of out [T, Hv, Dv]
         (contiguous, q's dtype)."""
-        q, k, v = _rows(q), _rows(k), _rows(v)
+        q, k, v = heads_rows(q), heads_rows(k), heads_rows(v)
         g, beta = g.float().contiguous(), beta.float().contiguous()
         ints = [t.to(torch.int64).contiguous() for t in
                 (meta.prefill_starts, meta.prefill_lens, meta.prefill_slots)]
