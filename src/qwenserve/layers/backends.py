@@ -84,6 +84,7 @@ class Backends:
     # RMSNorm (+ residual add), SiLU-and-mul and rotary of the decoder layers; None: PyTorch's
     elementwise: ElementwiseKernels | None = None
     sampling: SamplingKernel | None = None  # the sampler's draw; None: PyTorch's
+    mlp_row_chunk: int = 0  # rows an MLP takes at a time (Platform.mlp_row_chunk); 0: all
 
     @classmethod
     def for_platform(cls, platform: Platform) -> Backends:
@@ -98,6 +99,7 @@ class Backends:
             int8_mm=Int8Matmul(platform, quantizer=elementwise),
             elementwise=elementwise,
             sampling=get_sampling_kernel(platform.default_sampling_backend),
+            mlp_row_chunk=platform.mlp_row_chunk,
         )
 
     @classmethod

@@ -98,8 +98,19 @@ class MLP(nn.Module):
             intermediate_size, hidden, bias=bias, dtype=ctx.dtype, tp=ctx.tp,
             quant_method=ctx.linear_method(f"{prefix}.down_proj"))
         self.fused = ctx.backends.elementwise
+        self.row_chunk = ctx.backends.mlp_row_chunk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or not 0 < self.row_chunk < x.shape[0]:
+            return self._rows(x)
+        out = torch.empty(*x.shape[:-1], self.down_proj.output_size, dtype=x.dtype,
+                          device=x.device)
+        for start in range(0, x.shape[0], self.row_chunk):
+            rows = slice(start, start + self.row_chunk)
+            out[rows] = self._rows(x[rows])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 

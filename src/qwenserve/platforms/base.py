@@ -31,6 +31,9 @@ class Platform(ABC):
     # float32 GEMMs with at least this many rows of x (prefill, batched decode) go to the native
     # blocked GEMM (native/csrc/sgemm.cpp) where it builds; 0: never.
     native_gemm_min_rows: ClassVar[int] = 0
+    # MLPs run on at most this many rows at a time (longer prefills in row chunks, each through
+    # gate_up, SiLU-and-mul and down); 0: all rows at once.
+    mlp_row_chunk: ClassVar[int] = 0
     supported_block_sizes: ClassVar[tuple[int, ...]] = (1, 8, 16, 32, 64, 128, 256)
 
     @classmethod

@@ -99,6 +99,11 @@ class CpuPlatform(Platform):
     # AVX512 kernels ran 1.1-2x faster than this AVX2 kernel at every size from 8 rows (Sapphire
     # Rapids Xeon, docs/benchmarks.md "bf16 on AMX"); the 1-4-row skinny kernel still won there.
     native_gemm_min_rows = 0 if "avx512f" in _cpu_flags() else 8
+    # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
+    # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire
+    # Rapids Xeon (2 threads). Qwen2.5-0.5B shape, bf16, 2,048 rows: 31.5 -> 29.0 ms a layer;
+    # 1,024 rows: 41.0 -> 29.0 (docs/benchmarks.md, "MLP row chunks").
+    mlp_row_chunk = 512
     # fused residual-add + RMSNorm, SiLU-and-mul, rotary where a compiler is (benchmarks.md)
     default_elementwise_backend = "cpu_native"
     # The draw in native/csrc/sampling.cpp: PyTorch's sorts and noises the whole vocabulary,
