@@ -37,3 +37,18 @@ def test_models_without_recurrent_layers_allocate_no_state():
 
     cls = load_model_class("Qwen2ForCausalLM")
     assert cls.allocate_state(object.__new__(cls), 4, torch.device("cpu")) == []
+
+
+def test_lm_head_logits_in_float32_or_its_own_dtype():
+    """``compute_logits`` widens to float32 by default; ``dtype=None`` (the sampling path) keeps
+    the head's dtype, the same values before the widening."""
+    import torch
+
+    from qwenserve.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(50, 16, torch.bfloat16)
+    torch.nn.init.normal_(head.weight)
+    hidden = torch.randn(3, 16).bfloat16()
+    wide, own = head.compute_logits(hidden), head.compute_logits(hidden, dtype=None)
+    assert wide.dtype == torch.float32 and own.dtype == torch.bfloat16
+    assert torch.equal(own.float(), wide)

@@ -121,3 +121,40 @@ def test_the_sampler_uses_it_with_seeded_generators(kernel):
         return out
 
     assert seeded_draws(1) == seeded_draws(4)
+
+
+def test_bf16_logits_draw_as_their_float32_widening(kernel):
+    """bf16 logits (the LM head's own dtype) are read in place and widened exactly: every
+    draw, greedy or truncated, equals the draw from ``logits.float()``, strided rows included."""
+    gen = torch.Generator().manual_seed(5)
+    wide = (3.0 * torch.randn(7, 5000, generator=gen)).bfloat16()
+    logits = wide[:, :4096]
+    logits[1, ::3] = -float("inf")
+    params = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.6, 20, 0.95, 0.0), (1.0, 0, 0.5, 0.0),
+              (0.9, 0, 1.0, 0.1), (1.3, 0, 0.9, 0.02), (0.0, 0, 1.0, 0.0)]
+    columns = [list(p) for p in zip(*params)]
+    for _ in range(5):
+        u = torch.rand(7, dtype=torch.float64, generator=gen)
+        assert (kernel.draw(logits, *columns, u).tolist()
+                == kernel.draw(logits.float(), *columns, u).tolist())
+
+
+def test_the_sampler_takes_bf16_logits_as_float32(kernel):
+    """Through ``sample``: bf16 logits give the tokens and logprobs of their float32 widening,
+    with and without an edit (logit_bias), seeded and greedy rows alike."""
+    from qwenserve.sampling_params import SamplingParams
+    from qwenserve.worker.sampler import SamplingRow, sample
+
+    logits = (2.0 * torch.randn(3, 3000, generator=torch.Generator().manual_seed(2))).bfloat16()
+    params = [SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.8, logit_bias={5: 30.0}, logprobs=1)]
+
+    def run(x: torch.Tensor, draw_kernel) -> list:
+        rows = [SamplingRow(p, [1], [], torch.Generator().manual_seed(9)) for p in params]
+        return [(t.token_id, t.logprob) for t in sample(x, rows, kernel=draw_kernel)]
+
+    want = run(logits.float(), kernel)
+    assert run(logits, kernel) == want
+    assert want[2][0] == 5  # the bias edit applied
+    assert [t for t, _ in run(logits, None)] == [t for t, _ in run(logits.float(), None)]

@@ -73,15 +73,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tie_to is not None:
             self.weight = tie_to.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, H] -> [num_tokens, V] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """[num_tokens, H] -> [num_tokens, V] logits in ``dtype`` (None: as the GEMM gives
+        them, the model's dtype, or float32 for an int8 head)."""
         if self.weight_scale is None:
             logits = self.float_linear(hidden, self.weight)
         else:
             hidden_q, token_scale = self.int8_matmul.quantize(hidden)
             logits = self.int8_matmul(hidden_q, self.weight, self.weight_scale.view(-1),
                                       token_scale, None, torch.float32)
-        return self.tp.all_gather(logits, dim=-1).float()
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits if dtype is None else logits.to(dtype)
 
 
 def quantize_vocab_tables(model: nn.Module, matmul) -> None:

@@ -70,8 +70,10 @@ class CausalLM(Protocol):
         """[num_tokens] ids and positions -> [num_tokens, hidden] last hidden states."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] logits (gathered over tensor-parallel ranks)."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits (gathered over tensor-parallel ranks) in ``dtype``;
+        None: the LM head's own (the sampler widens them only where it must)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None: ...

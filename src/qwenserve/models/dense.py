@@ -225,8 +225,9 @@ class DenseForCausalLM(nn.Module):
                 caches: ModelCaches) -> torch.Tensor:
         return self.model(input_ids, positions, batch, caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, dtype)
 
     def allocate_state(self, num_state_slots: int, device: torch.device
                        ) -> list[RecurrentState]:

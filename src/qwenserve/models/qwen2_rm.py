@@ -49,7 +49,8 @@ class Qwen2ForRewardModel(Qwen2ForCausalLM):
     def make_lm_head(self, ctx: ModelContext) -> None:
         return None  # the checkpoint has none; the score head replaces it
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         raise RuntimeError("a reward model has no LM head: it scores tokens (score_tokens)")
 
     def score_tokens(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -91,8 +91,9 @@ class Qwen3_5MTP(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        return self.target.compute_logits(hidden, dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """``weights``: the checkpoint's ``mtp.*`` tensors (any others are ignored)."""

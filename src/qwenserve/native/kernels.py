@@ -320,16 +320,22 @@ def elementwise() -> Elementwise | None:
 
 
 class Sampling:
-    """``csrc/sampling.cpp``: one draw per row of fp32 logits (greedy, or temperature, min_p,
-    top_k and top_p with a caller-given uniform per row), reading the logits in place."""
+    """``csrc/sampling.cpp``: one draw per row of fp32 or bf16 logits (greedy, or temperature,
+    min_p, top_k and top_p with a caller-given uniform per row), reading the logits in place
+    (bf16 rows are widened, exactly, in cache: the same draws as for ``logits.float()``)."""
+
+    DTYPES = {torch.float32: "sample_rows_f32", torch.bfloat16: "sample_rows_bf16"}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.sample_rows_f32
-        self._fn.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _P]
-        self._fn.restype = ctypes.c_int
+        self._fns = {}
+        for dtype, name in self.DTYPES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _P]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
 
     def supports(self, logits: torch.Tensor) -> bool:
-        return (logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2
+        return (logits.is_cpu and logits.dtype in self._fns and logits.dim() == 2
                 and logits.stride(1) == 1 and logits.shape[1] > 0)
 
     def draw(self, logits: torch.Tensor, temperature: list[float], top_k: list[int],
@@ -345,9 +351,9 @@ class Sampling:
         mins = torch.tensor(min_p, dtype=torch.float32)
         u = uniform.contiguous()
         out = torch.empty(rows, dtype=torch.int64)
-        if self._fn(out.data_ptr(), logits.data_ptr(), rows, logits.shape[1], logits.stride(0),
-                    temps.data_ptr(), ks.data_ptr(), ps.data_ptr(), mins.data_ptr(),
-                    u.data_ptr()):
+        if self._fns[logits.dtype](out.data_ptr(), logits.data_ptr(), rows, logits.shape[1],
+                                   logits.stride(0), temps.data_ptr(), ks.data_ptr(),
+                                   ps.data_ptr(), mins.data_ptr(), u.data_ptr()):
             raise ValueError(f"sample_rows: unsupported logits of shape {tuple(logits.shape)}")
         return out
 

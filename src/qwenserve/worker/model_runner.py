@@ -146,7 +146,8 @@ class ModelRunner:
             return self._pooled(chunks, hidden[batch.logits_indices])
         if self.proposer is not None:
             self.proposer.forward(batch, hidden, chunks)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # in the LM head's dtype: the sampler widens them to float32 only where a step needs it
+        logits = self.model.compute_logits(hidden[batch.logits_indices], dtype=None)
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
         sampled_chunks = [c for c in chunks if c.sample]
@@ -246,7 +247,7 @@ class ModelRunner:
             row_ids += [c.request_id] * (len(draft) + 1)
         bitmask = None if self.grammars is None else self.grammars.bitmask(
             row_ids, logits.shape[1])
-        return verify(logits, rows, drafts, self.generator, bitmask)
+        return verify(logits.float(), rows, drafts, self.generator, bitmask)
 
     def _draftable(self, chunks: list[ScheduledChunk]) -> list[str]:
         """Requests to draft for: not grammar-constrained (their drafts would have to be

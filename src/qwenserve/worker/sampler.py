@@ -37,14 +37,15 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None,
            bitmask: torch.Tensor | None = None,
            kernel: SamplingKernel | None = None) -> list[SampledToken]:
-    """logits [B, V] float32 -> one SampledToken per row. ``bitmask`` [B, ceil(V / 32)] int32:
+    """logits [B, V] float32, or the LM head's bf16 / fp16 (widened to float32 only for
+    logprobs, an edit or the PyTorch draw) -> one SampledToken per row. ``bitmask`` [B, ceil(V / 32)] int32:
     the grammar's allowed tokens per row (all ones for rows without a grammar). ``kernel``: the
     platform's draw, for the logits it ``supports``."""
     logprobs, logits = process_logits(logits, rows, bitmask)
     if kernel is not None and kernel.supports(logits):
         token_ids = _draw_with_kernel(kernel, logits, rows, default_generator)
     else:
-        token_ids = _choose(logits, rows, default_generator)
+        token_ids = _choose(logits.float(), rows, default_generator)
     return package(token_ids, logprobs, rows)
 
 
@@ -74,7 +75,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     logprobs = _logprobs(logits, rows)
     if not _edits_logits(rows, bitmask):
         return logprobs, logits  # the draw only reads them: no copy of [B, V]
-    logits = logits.clone()
+    logits = logits.to(torch.float32, copy=True)
     _mask_stop_tokens(logits, rows)
     apply_logits_processors(logits, rows)
     if bitmask is not None:
@@ -105,7 +106,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
     if all(r.params.logprobs is None for r in rows):
         return None
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

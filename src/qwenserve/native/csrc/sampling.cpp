@@ -274,4 +274,28 @@ int sample_rows_f32(int64_t* out, const float* logits, int64_t rows, int64_t voc
   return 0;
 }
 
+// The same for bf16 logits (the LM head's own dtype): each row is widened to fp32 (exactly) in
+// a per-thread buffer that stays in cache, then drawn as above; where the caller's
+// `logits.float()` wrote a whole [rows, vocab] fp32 copy to memory (64 x 151,936 logits: 4 ms a
+// decode step).
+int sample_rows_bf16(int64_t* out, const uint16_t* logits, int64_t rows, int64_t vocab,
+                     int64_t row_stride, const float* temperature, const int64_t* top_k,
+                     const float* top_p, const float* min_p, const double* uniform) {
+  if (rows < 0 || vocab <= 0 || (row_stride != 0 && row_stride < vocab)) return 1;
+#pragma omp parallel
+  {
+    std::vector<float> row(vocab);
+    uint32_t* bits = reinterpret_cast<uint32_t*>(row.data());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* src = logits + r * row_stride;
+#pragma omp simd
+      for (int64_t j = 0; j < vocab; ++j) bits[j] = static_cast<uint32_t>(src[j]) << 16;
+      out[r] = sample_row(row.data(), vocab, temperature[r], top_k[r], top_p[r], min_p[r],
+                          uniform[r]);
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"
