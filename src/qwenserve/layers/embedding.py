@@ -77,14 +77,16 @@ class ParallelLMHead(VocabParallelEmbedding):
                        dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[num_tokens, H] -> [num_tokens, V] logits in ``dtype`` (None: as the GEMM gives
         them, the model's dtype, or float32 for an int8 head)."""
-        if self.weight_scale is None:
-            logits = self.float_linear(hidden, self.weight)
-        else:
-            hidden_q, token_scale = self.int8_matmul.quantize(hidden)
-            logits = self.int8_matmul(hidden_q, self.weight, self.weight_scale.view(-1),
-                                      token_scale, None, torch.float32)
-        logits = self.tp.all_gather(logits, dim=-1)
+        logits = self.tp.all_gather(self.local_logits(hidden), dim=-1)
         return logits if dtype is None else logits.to(dtype)
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits (the GEMM alone, no collective)."""
+        if self.weight_scale is None:
+            return self.float_linear(hidden, self.weight)
+        hidden_q, token_scale = self.int8_matmul.quantize(hidden)
+        return self.int8_matmul(hidden_q, self.weight, self.weight_scale.view(-1), token_scale,
+                                None, torch.float32)
 
 
 def quantize_vocab_tables(model: nn.Module, matmul) -> None:

@@ -1,0 +1,55 @@
+"""Every GEMM weight's first call happens at load (``worker/warm_up.py``): once per linear
+layer and LM head of the language model, none for a vision tower, no collective."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen2Config
+
+from qwenserve.layers.backends import Backends
+from qwenserve.layers.linear import LinearBase
+from qwenserve.models.base import ModelContext
+from qwenserve.models.qwen2 import Qwen2ForCausalLM
+from qwenserve.worker.warm_up import warm_up_gemms
+
+
+class RecordingGemm:
+    """F.linear that remembers which weights it saw (as a packing cache would)."""
+
+    def __init__(self) -> None:
+        self.weights: list[int] = []
+
+    def __call__(self, x, weight, bias=None):
+        assert x.shape[0] == 1
+        self.weights.append(id(weight))
+        return F.linear(x, weight, bias)
+
+
+def _model(gemm: RecordingGemm, tie: bool) -> nn.Module:
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    backends = dataclasses.replace(Backends.reference(), float_linear=gemm)
+    return Qwen2ForCausalLM(ModelContext(cfg, torch.bfloat16, 64, backends=backends))
+
+
+def test_each_linear_and_the_lm_head_once():
+    for tie in (False, True):
+        gemm = RecordingGemm()
+        model = _model(gemm, tie)
+        linears = [m.weight for m in model.modules() if isinstance(m, LinearBase)]
+        count = warm_up_gemms(model, torch.bfloat16, torch.device("cpu"))
+        assert count == len(linears) + 1 == len(gemm.weights)
+        assert sorted(gemm.weights) == sorted([id(w) for w in linears] + [id(model.lm_head.weight)])
+
+
+def test_a_vision_tower_is_left_alone():
+    gemm = RecordingGemm()
+    model = _model(gemm, tie=True)
+    model.visual = nn.Sequential(_model(gemm, tie=True).model.layers[0].mlp)
+    tower = {id(m.weight) for m in model.visual.modules() if isinstance(m, LinearBase)}
+    warm_up_gemms(model, torch.bfloat16, torch.device("cpu"))
+    assert tower and not tower & set(gemm.weights)
