@@ -5,8 +5,9 @@ torch's bf16 ``F.linear`` and int8 ``torch._int_mm`` hand oneDNN the plain [N, K
 oneDNN reorders it into the blocked layout its AMX / VNNI kernel reads, on every call: at decode
 sizes the reorder costs as much as the product (docs/benchmarks.md, "bf16 on AMX" and "INT8 on
 AMX"). vLLM's CPU backend prepacks its weights for the same reason. Here each weight is packed at
-its first call and the packed copy kept beside it, keyed weakly by the weight tensor (it goes when
-the weight goes) and made again if the weight is written in place. The plain weight stays the
+its first call (which the worker makes at load: ``worker/warm_up.py``) and the packed copy kept
+beside it, keyed weakly by the weight tensor (it goes when the weight goes) and made again if the
+weight is written in place. The plain weight stays the
 model's: weight accounting, tied embeddings and sharded-state saving see it unchanged; the price
 is a second copy of those weights in host memory (logged once per kind;
 ``QWENSERVE_PACKED_BF16=0`` / ``QWENSERVE_PACKED_INT8=0`` turn packing off). Views (one expert's
