@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -257,45 +258,54 @@ int64_t sample_row(const float* x, int64_t n, float temperature, int64_t top_k, 
   return draw_candidates(c, c.size(), m, scale, u);  // rounding: keep everything
 }
 
+// One draw per row; fp32 rows are read in place, bf16 rows (the LM head's own dtype) widened
+// exactly (to_float) into a per-thread buffer that stays in cache, where the caller's
+// `logits.float()` wrote a whole [rows, vocab] fp32 copy to memory (64 x 151,936 logits: 4 ms a
+// decode step).
+template <typename T>
+int sample_rows(int64_t* out, const T* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                const float* temperature, const int64_t* top_k, const float* top_p,
+                const float* min_p, const double* uniform) {
+  if (rows < 0 || vocab <= 0 || (row_stride != 0 && row_stride < vocab)) return 1;
+#pragma omp parallel
+  {
+    std::vector<float> widened(std::is_same_v<T, float> ? 0 : vocab);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = logits + r * row_stride;
+      const float* row;
+      if constexpr (std::is_same_v<T, float>) {
+        row = src;
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < vocab; ++j) widened[j] = to_float(src[j]);
+        row = widened.data();
+      }
+      out[r] = sample_row(row, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r]);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
-// out [rows] int64; logits [rows, vocab] fp32 rows `row_stride` apart (0: one row for all); per row: temperature
-// (0: greedy), top_k (0: off), top_p (1: off), min_p (0: off) and a uniform u in [0, 1).
+// out [rows] int64; logits [rows, vocab] fp32 / bf16 rows `row_stride` apart (0: one row for
+// all); per row: temperature (0: greedy), top_k (0: off), top_p (1: off), min_p (0: off) and a
+// uniform u in [0, 1).
 int sample_rows_f32(int64_t* out, const float* logits, int64_t rows, int64_t vocab,
                     int64_t row_stride, const float* temperature, const int64_t* top_k,
                     const float* top_p, const float* min_p, const double* uniform) {
-  if (rows < 0 || vocab <= 0 || (row_stride != 0 && row_stride < vocab)) return 1;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t r = 0; r < rows; ++r)
-    out[r] = sample_row(logits + r * row_stride, vocab, temperature[r], top_k[r], top_p[r],
-                        min_p[r], uniform[r]);
-  return 0;
+  return sample_rows(out, logits, rows, vocab, row_stride, temperature, top_k, top_p, min_p,
+                     uniform);
 }
 
-// The same for bf16 logits (the LM head's own dtype): each row is widened to fp32 (exactly) in
-// a per-thread buffer that stays in cache, then drawn as above; where the caller's
-// `logits.float()` wrote a whole [rows, vocab] fp32 copy to memory (64 x 151,936 logits: 4 ms a
-// decode step).
 int sample_rows_bf16(int64_t* out, const uint16_t* logits, int64_t rows, int64_t vocab,
                      int64_t row_stride, const float* temperature, const int64_t* top_k,
                      const float* top_p, const float* min_p, const double* uniform) {
-  if (rows < 0 || vocab <= 0 || (row_stride != 0 && row_stride < vocab)) return 1;
-#pragma omp parallel
-  {
-    std::vector<float> row(vocab);
-    uint32_t* bits = reinterpret_cast<uint32_t*>(row.data());
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* src = logits + r * row_stride;
-#pragma omp simd
-      for (int64_t j = 0; j < vocab; ++j) bits[j] = static_cast<uint32_t>(src[j]) << 16;
-      out[r] = sample_row(row.data(), vocab, temperature[r], top_k[r], top_p[r], min_p[r],
-                          uniform[r]);
-    }
-  }
-  return 0;
+  return sample_rows(out, logits, rows, vocab, row_stride, temperature, top_k, top_p, min_p,
+                     uniform);
 }
 
 }  // extern "C"
