@@ -38,9 +38,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            bitmask: torch.Tensor | None = None,
            kernel: SamplingKernel | None = None) -> list[SampledToken]:
     """logits [B, V] float32, or the LM head's bf16 / fp16 (widened to float32 only for
-    logprobs, an edit or the PyTorch draw) -> one SampledToken per row. ``bitmask`` [B, ceil(V / 32)] int32:
-    the grammar's allowed tokens per row (all ones for rows without a grammar). ``kernel``: the
-    platform's draw, for the logits it ``supports``."""
+    logprobs, an edit or the PyTorch draw) -> one SampledToken per row. ``bitmask``
+    [B, ceil(V / 32)] int32: the grammar's allowed tokens per row (all ones for rows without a
+    grammar). ``kernel``: the platform's draw, for the logits it ``supports``."""
     logprobs, logits = process_logits(logits, rows, bitmask)
     if kernel is not None and kernel.supports(logits):
         token_ids = _draw_with_kernel(kernel, logits, rows, default_generator)
@@ -72,10 +72,16 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     """(logprobs of the raw logits when a row asks for them, the logits after the processors,
     the bitmask and the penalties): everything before the draw, shared with the speculative
     verifier (``spec_decode/rejection.py``)."""
-    logprobs = _logprobs(logits, rows)
-    if not _edits_logits(rows, bitmask):
+    edits = _edits_logits(rows, bitmask)
+    wants_logprobs = any(r.params.logprobs is not None for r in rows)
+    widened = logits.dtype != torch.float32 and (edits or wants_logprobs)
+    if widened:  # bf16 logits: one float32 copy serves the logprobs and the edits
+        logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    if not edits:
         return logprobs, logits  # the draw only reads them: no copy of [B, V]
-    logits = logits.to(torch.float32, copy=True)
+    if not widened:
+        logits = logits.clone()
     _mask_stop_tokens(logits, rows)
     apply_logits_processors(logits, rows)
     if bitmask is not None:
@@ -101,12 +107,6 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     temperature, then min_p, top_k and top_p."""
     scaled = logits / _column([p.temperature for p in params], logits)
     return _truncate(scaled, params).softmax(dim=-1)
-
-
-def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
-    if all(r.params.logprobs is None for r in rows):
-        return None
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
