@@ -71,17 +71,43 @@ def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype):
     reference on a GQA batch with contexts ending mid-block, for the head sizes it unrolls (64,
     128, 256; in bf16 on AVX512-BF16 CPUs the vdpbf16ps kernel) and one it loops over (72);
     QWENSERVE_NATIVE=0 CI runs the fallback through the test above."""
+    native = _native_backend()
+    if native is None:
+        return
+    torch.manual_seed(1)
+    _check_native_decode(native, d, dtype, hq=14, hkv=2, lens=[1, 17, 100, 250])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_reuses_its_buffers_across_shapes(dtype):
+    """The kernel keeps per-thread scratch (scores, widened rows, sums) between calls: a call
+    after a longer context, more query heads per KV head or a larger head still agrees with
+    the reference (nothing of the earlier call is read)."""
+    native = _native_backend()
+    if native is None:
+        return
+    torch.manual_seed(2)
+    for d, hq, hkv, lens in [(128, 16, 2, [250, 240, 230, 220]), (64, 14, 2, [3, 1, 9, 2]),
+                             (256, 8, 4, [40, 1, 17, 33]), (64, 2, 2, [250, 5, 1, 64])]:
+        _check_native_decode(native, d, dtype, hq, hkv, lens)
+
+
+def _native_backend():
+    """The cpu_native backend with its kernel, or None where none is built (then asserted)."""
     from qwenserve.native import build, native_enabled
 
     native = get_attention_backend("cpu_native")
     if not native_enabled() or build.compiler() is None:
         assert native.kernels is None
-        return
+        return None
     assert native.kernels is not None
-    torch.manual_seed(1)
-    hq, hkv, bs = 14, 2, 16
+    return native
+
+
+def _check_native_decode(native, d: int, dtype: torch.dtype, hq: int, hkv: int,
+                         lens: list[int]) -> None:
+    bs = 16
     cache = torch.randn(2, 64 * bs, hkv, d).to(dtype)
-    lens = [1, 17, 100, 250]
     tables = [torch.randperm(64)[: -(-n // bs)].tolist() for n in lens]
     chunks = [ChunkLayout(i, 1, n - 1, t) for i, (n, t) in enumerate(zip(lens, tables))]
     qkv = torch.randn(4, (hq + 2 * hkv) * d).to(dtype)  # views of one projection, as in a model

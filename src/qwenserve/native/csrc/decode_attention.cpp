@@ -102,8 +102,11 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
                 int64_t len, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                 float scale) {
   const int64_t group = hq / hkv, slot_stride = hkv * d, chunks = CH > 0 ? CH : d / W;
-  std::vector<v8> qv(group * chunks), acc(group * chunks, v8{}), rows(block_size * chunks);
-  std::vector<float> scores(group * len), inv(group);
+  // per-thread buffers, reused across tasks and calls (see decode_one_bf16)
+  static thread_local std::vector<v8> qv, acc, rows;
+  static thread_local std::vector<float> scores, inv;
+  qv.resize(group * chunks), acc.assign(group * chunks, v8{}), rows.resize(block_size * chunks);
+  scores.resize(group * len), inv.resize(group);
   float* qf = reinterpret_cast<float*>(qv.data());
   for (int64_t g = 0; g < group; ++g)
     for (int64_t j = 0; j < d; ++j) qf[g * d + j] = to_float(q[(h * group + g) * d + j]) * scale;
@@ -233,10 +236,16 @@ void decode_one_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
                      int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale) {
   constexpr int VC = 2 * CH;  // fp32 vectors per row
   const int64_t group = hq / hkv, slot_stride = hkv * d;
-  std::vector<float> scores(group * len), inv(group);
-  std::vector<__m512> rows(block_size * VC), acc(group * VC, _mm512_setzero_ps());
+  // Per-thread buffers, grown as needed and kept (scores: G x the longest context seen, 4 MB
+  // at 64k tokens and G = 16), reused across tasks and calls: allocating and zeroing them per
+  // (sequence, KV head) cost 20-30% of the kernel at short contexts (64 x 32 tokens x 24
+  // layers: 2.6-3.1 -> 2.0-2.1 ms). scores are written before they are read; acc is cleared.
+  static thread_local std::vector<float> scores, inv;
+  static thread_local std::vector<__m512> rows, acc;
+  static thread_local std::vector<__m512bh> qv;
+  scores.resize(group * len), inv.resize(group), rows.resize(block_size * VC);
+  acc.assign(group * VC, _mm512_setzero_ps()), qv.resize(group * CH);
   const __m512 vscale = _mm512_set1_ps(scale);
-  std::vector<__m512bh> qv(group * CH);
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < CH; ++c)
       qv[g * CH + c] = (__m512bh)_mm512_loadu_si512(q + (h * group + g) * d + 32 * c);
