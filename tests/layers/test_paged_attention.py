@@ -16,7 +16,7 @@ BLOCK, HQ, HKV, D, NUM_BLOCKS = 4, 6, 2, 8, 32
 
 def dense_reference(q, k_all, v_all, start_pos, scale):
     """q [L, Hq, D] at positions start_pos.., k/v [S, Hkv, D]: causal attention in float64."""
-    group = HQ // HKV
+    group = q.shape[1] // k_all.shape[1]
     k = k_all.double().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, S, D]
     v = v_all.double().repeat_interleave(group, 1).transpose(0, 1)
     scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, L, S]
@@ -30,22 +30,23 @@ def dense_reference(q, k_all, v_all, start_pos, scale):
 REQUESTS = [(6, 1), (7, 1), (0, 1), (13, 1), (0, 9), (5, 6)]
 
 
+@pytest.mark.parametrize("d", [D, 64])  # 64: bf16 prefills take the AMX kernel where it runs
 @pytest.mark.parametrize("backend_name", ["torch_ref", "cpu_native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_decodes_and_prefills_match_dense_attention(dtype, backend_name):
+def test_batched_decodes_and_prefills_match_dense_attention(dtype, backend_name, d):
     torch.manual_seed(0)
-    cache = torch.full((2, NUM_BLOCKS * BLOCK, HKV, D), float("nan"), dtype=dtype)
+    cache = torch.full((2, NUM_BLOCKS * BLOCK, HKV, d), float("nan"), dtype=dtype)
     cache[:, :BLOCK].zero_()
     free = torch.randperm(NUM_BLOCKS - 1)[: 40].add(1).tolist()
     chunks, qs, ks, vs, histories, q_start = [], [], [], [], [], 0
     for start, q_len in REQUESTS:
         ctx = start + q_len
         blocks = [free.pop() for _ in range(-(-ctx // BLOCK))]
-        k_all, v_all = (torch.randn(ctx, HKV, D).to(dtype) for _ in range(2))
+        k_all, v_all = (torch.randn(ctx, HKV, d).to(dtype) for _ in range(2))
         earlier = torch.tensor(kv_slot_ids(blocks, 0, start, BLOCK), dtype=torch.long)
         cache[0, earlier], cache[1, earlier] = k_all[:start], v_all[:start]  # earlier steps
         chunks.append(ChunkLayout(q_start, q_len, start, blocks))
-        qs.append(torch.randn(q_len, HQ, D).to(dtype))
+        qs.append(torch.randn(q_len, HQ, d).to(dtype))
         ks.append(k_all[start:])
         vs.append(v_all[start:])
         histories.append((k_all, v_all))
@@ -53,7 +54,7 @@ def test_batched_decodes_and_prefills_match_dense_attention(dtype, backend_name)
 
     backend = get_attention_backend(backend_name)
     meta = backend.build_metadata(chunks, BLOCK, torch.device("cpu"))
-    scale = D**-0.5
+    scale = d**-0.5
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, scale)
 
     assert torch.isfinite(out).all()
@@ -121,3 +122,65 @@ def _check_native_decode(native, d: int, dtype: torch.dtype, hq: int, hkv: int,
     # the decode-only step's K/V went into the cache inside the kernel, exactly where
     # index_copy_ puts them (the tables share blocks, so every write precedes every read)
     assert torch.equal(caches[1], caches[0])
+
+
+def _amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_bf16" in f.read()
+
+
+# (L, S, Hq, Hkv, D): a fresh prompt, tails of 16-row query blocks and 32-token key tiles, a
+# chunk after cached tokens, one query row, grouped and plain heads, every head size the kernel
+# takes (D % 32 == 0; 96 has an output group of two 16-dim tiles)
+PREFILLS = [(256, 256, 14, 2, 64), (37, 37, 14, 2, 64), (20, 100, 8, 2, 256), (1, 5, 4, 4, 128),
+            (300, 333, 16, 8, 128), (17, 17, 2, 1, 32), (50, 83, 6, 2, 96)]
+
+
+@pytest.mark.parametrize("shape", PREFILLS)
+def test_native_prefill_matches_torch_ref(shape):
+    """The AMX prefill kernel is in use where the CPU has AMX and a compiler is (not on an
+    AVX2-only CI machine), and agrees with PyTorch's flash kernel within bf16 rounding: scores
+    and softmax in fp32, P rounded to bf16 for the product, as flash kernels do."""
+    from qwenserve.layers.attention.torch_ref import _prefill
+    from qwenserve.native import build, native_enabled
+
+    native = get_attention_backend("cpu_native")
+    runs = native_enabled() and build.compiler() is not None and _amx()
+    assert (native.prefill_kernel is not None) == runs
+    length, ctx, hq, hkv, d = shape
+    torch.manual_seed(3)
+    q = torch.randn(length, hq, d).bfloat16()
+    k, v = (torch.randn(ctx, hkv, d).bfloat16() for _ in range(2))
+    ref = _prefill(q, k, v, d**-0.5)
+    out = native.prefill(q, k, v, d**-0.5)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    exact = dense_reference(q, k, v, ctx - length, d**-0.5)
+    torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=2e-2)
+
+
+def test_native_prefill_leaves_other_inputs_to_torch_ref():
+    """fp32, or a head size that is not a multiple of 32: PyTorch's flash kernel, bit for bit."""
+    from qwenserve.layers.attention.torch_ref import _prefill
+
+    native = get_attention_backend("cpu_native")
+    torch.manual_seed(4)
+    for dtype, d in [(torch.float32, 64), (torch.bfloat16, 72)]:
+        q = torch.randn(40, 4, d).to(dtype)
+        k, v = (torch.randn(60, 2, d).to(dtype) for _ in range(2))
+        assert torch.equal(native.prefill(q, k, v, 0.1), _prefill(q, k, v, 0.1))
+
+
+
+def test_native_prefill_propagates_a_nan_as_torch_ref_does():
+    """A NaN in one key makes exactly the rows that see it NaN (the kernel's fast exp does not
+    clamp it away)."""
+    from qwenserve.layers.attention.torch_ref import _prefill
+
+    native = get_attention_backend("cpu_native")
+    torch.manual_seed(5)
+    q = torch.randn(20, 4, 64).bfloat16()
+    k, v = (torch.randn(20, 2, 64).bfloat16() for _ in range(2))
+    k[5, 0, 3] = float("nan")
+    got, ref = native.prefill(q, k, v, 0.125), _prefill(q, k, v, 0.125)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.isnan(got[5:, :2]).all() and not torch.isnan(got[:5]).any()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -83,6 +84,53 @@ def decode_attention() -> DecodeAttention | None:
     lib = load_library("qwenserve_decode_attention", [os.path.join(CSRC, "decode_attention.cpp")],
                        cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
     return None if lib is None else DecodeAttention(lib)
+
+
+class PrefillAttention:
+    """``csrc/prefill_attention.cpp``: causal attention of one prefill chunk over its context on
+    AMX tiles (bf16; Q . K^T and P . V as tile products, softmax in fp32)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.prefill_attention_bf16
+        self._fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F]
+        self._fn.restype = ctypes.c_int
+        self.available = bool(lib.prefill_attention_available())
+
+    def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return (self.available and q.dtype == k.dtype == v.dtype == torch.bfloat16
+                and q.device.type == "cpu" and q.dim() == k.dim() == v.dim() == 3
+                and q.shape[2] % 32 == 0 and k.shape == v.shape and q.shape[2] == k.shape[2]
+                and q.shape[1] % k.shape[1] == 0 and 0 < q.shape[0] <= k.shape[0])
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """q [L, Hq, D], k/v [S, Hkv, D] -> [L, Hq, D]; query i at position S - L + i."""
+        q, k, v = heads_rows(q), heads_rows(k), heads_rows(v)
+        (length, hq, d), (ctx, hkv, _) = q.shape, k.shape
+        out = torch.empty(length, hq, d, dtype=q.dtype)
+        status = self._fn(out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), k.data_ptr(),
+                          k.stride(0), v.data_ptr(), v.stride(0), length, ctx, hq, hkv, d, scale)
+        if status:
+            raise ValueError(f"prefill_attention: unsupported shapes q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}")
+        return out
+
+
+@functools.cache
+def prefill_attention() -> PrefillAttention | None:
+    """The AMX prefill-attention kernel, or None (logged once) where it cannot be built or the
+    CPU has no AMX."""
+    lib = load_library("qwenserve_prefill_attention",
+                       [os.path.join(CSRC, "prefill_attention.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
+    if lib is None:
+        return None
+    kernel = PrefillAttention(lib)
+    if not kernel.available:
+        logger.info("prefill attention: no AMX tiles on this CPU; prefill chunks use PyTorch's "
+                    "flash kernel")
+        return None
+    return kernel
 
 
 class Gemv:

@@ -1,10 +1,12 @@
-"""CPU paged attention with a C++ decode kernel that reads K and V in place in the cache.
+"""CPU paged attention: C++ decodes that read the cache in place, AMX tiles for bf16 prefills.
 
 The pure-PyTorch backend gathers every decode's context blocks into a padded copy of K and V,
 per layer and step, before one masked SDPA call; this one hands the block tables to
-``native/csrc/decode_attention.cpp`` instead, which walks them. Cache writes and prefill chunks
-are ``torch_ref``'s (PyTorch's flash kernel). Where the kernel cannot be built (no compiler,
-``QWENSERVE_NATIVE=0``) the decodes run ``torch_ref``'s code too: same results, one log line.
+``native/csrc/decode_attention.cpp`` instead, which walks them. Prefill chunks in bf16 with head
+sizes a multiple of 32 run ``native/csrc/prefill_attention.cpp`` on AMX tiles; other prefills
+(fp32, no AMX) and the cache writes are ``torch_ref``'s (PyTorch's flash kernel). Where a kernel
+cannot be built (no compiler, ``QWENSERVE_NATIVE=0``) its part runs ``torch_ref``'s code: same
+results within bf16 rounding, one log line.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class CpuNativeBackend(TorchRefBackend):
 
     def __init__(self) -> None:
         self.kernels = kernels.decode_attention()
+        self.prefill_kernel = kernels.prefill_attention()
 
     def build_metadata(self, chunks: list[ChunkLayout], block_size: int,
                        device: torch.device) -> CpuNativeMetadata:
@@ -53,3 +56,9 @@ class CpuNativeBackend(TorchRefBackend):
             return _decode(q, kv_cache, meta, scale)
         return self.kernels(q, kv_cache, meta.decode_blocks, meta.decode_ctx_lens,
                             meta.block_size, scale)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        if self.prefill_kernel is not None and self.prefill_kernel.supports(q, k, v):
+            return self.prefill_kernel(q, k, v, scale)
+        return super().prefill(q, k, v, scale)

@@ -121,8 +121,14 @@ class TorchRefBackend(AttentionBackend):
             else:
                 ks, vs = (g[:span.ctx_len] for g in _gather_blocks(kv_cache, span.ctx_blocks,
                                                                     meta.block_size))
-            out[rows] = _prefill(q[rows], ks, vs, scale)
+            out[rows] = self.prefill(q[rows], ks, vs, scale)
         return out
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """One prefill chunk, q [L, Hq, D] over its context k/v [S, Hkv, D] (its own tokens
+        last) -> [L, Hq, D] (a faster backend overrides this and keeps the rest)."""
+        return _prefill(q, k, v, scale)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
                scale: float) -> torch.Tensor:

@@ -1,0 +1,398 @@
+// Causal prefill attention of one sequence's chunk on Intel AMX (bf16), for the CPU backend's
+// prefill spans in place of PyTorch's flash kernel: 1.3-1.75x its speed on a 2-core Xeon for
+// 256-4,096-token prompts and head sizes 64-256 (docs/benchmarks.md).
+//
+//   q   [L, Hq, D]   rows q_stride apart, heads contiguous; query i sits at position S - L + i
+//   k,v [S, Hkv, D]  rows k_stride / v_stride apart (the chunk's context, its own tokens last)
+//   out [L, Hq, D]   rows out_stride apart
+//
+// Per KV head, K is packed once into AMX's B layout for scores = Q . K^T (16 tokens x 32 dims
+// a tile, dim pairs as rows) and V into its B layout for P . V (32 tokens x 16 dims a tile, token
+// pairs interleaved); every query head of the group and every 16-row query block reuses them.
+// A task is (KV head, query head of its group, 16 query rows): scores over the keys the block
+// can see (fp32 tiles), an exact two-pass softmax per row in fp32 (masked keys excluded), P
+// rounded to bf16 for the product (as flash kernels do), the sums scaled by 1 / row sum and
+// rounded to bf16. Needs D % 32 == 0 and Hq % Hkv == 0; returns 1 (the caller keeps its own
+// kernel) where the shapes or the machine do not fit.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QS_PREFILL_AMX 1
+#endif
+
+namespace {
+
+#if defined(QS_PREFILL_AMX)
+constexpr int64_t ROWS = 16;        // tile rows
+constexpr int64_t TILE = 16 * 32;   // bf16 elements of a 16 x 64-byte tile
+
+// Whether this process may use the tiles (Linux grants them per process, on request).
+bool permitted() {
+  static const bool ok = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// All eight tiles as 16 rows x 64 bytes, set on each thread of a call (oneDNN's GEMMs set their
+// own configuration in between).
+void configure() {
+  struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = ROWS;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// rows[i] (16 x 32-bit each) -> cols[j][i] = rows[i][j]: a 16 x 16 transpose of 32-bit words.
+inline void transpose16(const __m512* rows, __m512* cols) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks
+    a[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
+    a[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4
+    for (int j = 0; j < 2; ++j) {
+      const __m512d x = _mm512_castps_pd(a[i + j]), y = _mm512_castps_pd(a[i + j + 2]);
+      b[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+      b[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {  // 8 x 8: 128-bit lanes
+    for (int j = 0; j < 4; ++j) {
+      a[i + j] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0x88);
+      a[i + j + 4] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {  // 16 x 16: 256-bit halves
+    cols[j] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0x88);
+    cols[j + 8] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0xdd);
+  }
+}
+
+// K of one head as B tiles of Q . K^T: tile (t, c) row r holds, for tokens n = 16t .. 16t+15,
+// the pair of dims (32c + 2r, 32c + 2r + 1): the transpose of the tokens' 32-dim rows taken as
+// 16 words each. Tokens past S are zero.
+void pack_k(uint16_t* dst, const uint16_t* k, int64_t k_stride, int64_t S, int64_t D) {
+  const int64_t tiles = (S + ROWS - 1) / ROWS, dcs = D / 32;
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t c = 0; c < dcs; ++c) {
+      __m512 rows[16], cols[16];
+      for (int64_t n = 0; n < ROWS; ++n) {
+        const int64_t tok = ROWS * t + n;
+        rows[n] = tok < S ? _mm512_loadu_ps(k + tok * k_stride + 32 * c) : _mm512_setzero_ps();
+      }
+      transpose16(rows, cols);
+      float* tile = reinterpret_cast<float*>(dst + (t * dcs + c) * TILE);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(tile + 16 * r, cols[r]);
+    }
+}
+
+// V of one head as B tiles of P . V: tile (t, c) row r holds, for dims n = 16c .. 16c+15, the
+// values of tokens 32t + 2r and 32t + 2r + 1 side by side; tokens past S are zero.
+void pack_v(uint16_t* dst, const uint16_t* v, int64_t v_stride, int64_t S, int64_t D) {
+  const int64_t tiles = (S + 31) / 32, dts = D / 16;
+  alignas(64) static const uint16_t order[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                 37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t tok = 32 * t + 2 * r;
+      const uint16_t* even = tok < S ? v + tok * v_stride : nullptr;
+      const uint16_t* odd = tok + 1 < S ? v + (tok + 1) * v_stride : nullptr;
+      for (int64_t c = 0; c < dts; ++c) {
+        const __m512i a = even ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(even + 16 * c)))
+                               : _mm512_setzero_si512();
+        const __m512i b = odd ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(odd + 16 * c)))
+                              : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + (t * dts + c) * TILE + 32 * r,
+                            _mm512_permutex2var_epi16(a, interleave, b));
+      }
+    }
+}
+
+// e^x for x <= 0, 16 lanes (~1 ulp; x below -87.3 gives ~1e-38 where expf underflows to 0,
+// no difference once P is rounded to bf16; NaN stays NaN): Cephes' expf polynomial on
+// x - n ln2, scaled by 2^n with vscalefps. The softmax's exponentials were 60% of this kernel
+// with vec_math.h's exp_approx, whose infinity and overflow handling a softmax never needs.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // a NaN x is the result (second operand)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// The largest of x[0..n), n > 0: four 16-lane maxima side by side (one chain of dependent
+// maxima was a tenth of the kernel's time).
+inline float max16(const float* x, int64_t n) {
+  __m512 m[4];
+  for (auto& v : m) v = _mm512_set1_ps(-__builtin_inff());
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 4; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(x + i + 16 * j));
+  for (; i < n; i += 16) {
+    const __mmask16 valid = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    m[0] = _mm512_mask_max_ps(m[0], valid, m[0], _mm512_maskz_loadu_ps(valid, x + i));
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+}
+
+// Scores of 16 query rows against every key tile, the DCS query tiles (32 dims each) held in
+// tiles 2.. for the whole pass; two key tiles at a time into tiles 0 and 1 (B tiles 6 and 7).
+template <int DCS>
+void scores_resident(float* scores, const uint16_t* qrows, const uint16_t* kt, int64_t ktiles,
+                     int64_t width) {
+  constexpr int64_t D = 32 * DCS;
+  _tile_loadd(2, qrows, D * sizeof(uint16_t));
+  if constexpr (DCS > 1) _tile_loadd(3, qrows + 32, D * sizeof(uint16_t));
+  if constexpr (DCS > 2) _tile_loadd(4, qrows + 64, D * sizeof(uint16_t));
+  if constexpr (DCS > 3) _tile_loadd(5, qrows + 96, D * sizeof(uint16_t));
+  int64_t t = 0;
+  for (; t + 2 <= ktiles; t += 2) {
+    const uint16_t* k0 = kt + t * DCS * TILE;
+    const uint16_t* k1 = k0 + DCS * TILE;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(6, k0, 64);
+    _tile_loadd(7, k1, 64);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_dpbf16ps(1, 2, 7);
+    if constexpr (DCS > 1) {
+      _tile_loadd(6, k0 + TILE, 64);
+      _tile_loadd(7, k1 + TILE, 64);
+      _tile_dpbf16ps(0, 3, 6);
+      _tile_dpbf16ps(1, 3, 7);
+    }
+    if constexpr (DCS > 2) {
+      _tile_loadd(6, k0 + 2 * TILE, 64);
+      _tile_loadd(7, k1 + 2 * TILE, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (DCS > 3) {
+      _tile_loadd(6, k0 + 3 * TILE, 64);
+      _tile_loadd(7, k1 + 3 * TILE, 64);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+    _tile_stored(0, scores + ROWS * t, width * sizeof(float));
+    _tile_stored(1, scores + ROWS * (t + 1), width * sizeof(float));
+  }
+  if (t < ktiles) {
+    const uint16_t* k0 = kt + t * DCS * TILE;
+    _tile_zero(0);
+    _tile_loadd(6, k0, 64);
+    _tile_dpbf16ps(0, 2, 6);
+    if constexpr (DCS > 1) {
+      _tile_loadd(6, k0 + TILE, 64);
+      _tile_dpbf16ps(0, 3, 6);
+    }
+    if constexpr (DCS > 2) {
+      _tile_loadd(6, k0 + 2 * TILE, 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    if constexpr (DCS > 3) {
+      _tile_loadd(6, k0 + 3 * TILE, 64);
+      _tile_dpbf16ps(0, 5, 6);
+    }
+    _tile_stored(0, scores + ROWS * t, width * sizeof(float));
+  }
+}
+
+// P . V for NC (2 or 4) output tiles of 16 dims from dim tile c0: the sums in tiles 0..NC-1,
+// each 32-token slice of P loaded once into tile 4 for all of them (V tiles in 5 and 6).
+template <int NC>
+void values_group(float* sums, const uint16_t* probs, const uint16_t* vt, int64_t c0,
+                  int64_t dts, int64_t width) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NC > 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < width / 32; ++t) {
+    const uint16_t* vb = vt + (t * dts + c0) * TILE;
+    _tile_loadd(4, probs + 32 * t, width * sizeof(uint16_t));
+    _tile_loadd(5, vb, 64);
+    _tile_loadd(6, vb + TILE, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (NC > 2) {
+      _tile_loadd(5, vb + 2 * TILE, 64);
+      _tile_loadd(6, vb + 3 * TILE, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, sums, 64 * sizeof(float));
+  _tile_stored(1, sums + 16, 64 * sizeof(float));
+  if constexpr (NC > 2) {
+    _tile_stored(2, sums + 32, 64 * sizeof(float));
+    _tile_stored(3, sums + 48, 64 * sizeof(float));
+  }
+}
+
+struct Scratch {  // one thread's buffers, kept between calls
+  std::vector<float> scores, inv, sums;
+  std::vector<uint16_t> probs, qrows;
+};
+
+// One task: rows (<= 16) query rows of one head, the first at position first_pos.
+void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
+                 int64_t rows, int64_t first_pos, const uint16_t* kt, const uint16_t* vt,
+                 int64_t S, int64_t D, float scale, Scratch& s) {
+  const int64_t dcs = D / 32, dts = D / 16;
+  const int64_t keys = std::min(S, first_pos + rows);  // the last row sees keys 0 .. keys-1
+  const int64_t ktiles = (keys + ROWS - 1) / ROWS, width = (keys + 31) / 32 * 32;
+  uint16_t* qrows = s.qrows.data();
+  for (int64_t r = 0; r < ROWS; ++r) {  // A tiles of the scores: the rows, zero-padded
+    if (r < rows)
+      std::memcpy(qrows + r * D, q + r * q_stride, D * sizeof(uint16_t));
+    else
+      std::memset(qrows + r * D, 0, D * sizeof(uint16_t));
+  }
+  float* scores = s.scores.data();  // [16, width]
+  switch (dcs) {
+    case 1: scores_resident<1>(scores, qrows, kt, ktiles, width); break;
+    case 2: scores_resident<2>(scores, qrows, kt, ktiles, width); break;
+    case 3: scores_resident<3>(scores, qrows, kt, ktiles, width); break;
+    case 4: scores_resident<4>(scores, qrows, kt, ktiles, width); break;
+    default:  // D > 128: the query tiles are loaded again for each key tile
+      for (int64_t t = 0; t < ktiles; ++t) {
+        _tile_zero(0);
+        for (int64_t c = 0; c < dcs; ++c) {
+          _tile_loadd(2, qrows + 32 * c, D * sizeof(uint16_t));
+          _tile_loadd(6, kt + (t * dcs + c) * TILE, 64);
+          _tile_dpbf16ps(0, 2, 6);
+        }
+        _tile_stored(0, scores + ROWS * t, width * sizeof(float));
+      }
+  }
+  uint16_t* probs = s.probs.data();  // [16, width] bf16: P, zero past each row's last key
+  float* inv = s.inv.data();
+  for (int64_t r = 0; r < ROWS; ++r) {
+    uint16_t* pr = probs + r * width;
+    const int64_t n = r < rows ? std::min(first_pos + r + 1, keys) : 0;  // keys row r sees
+    float* sr = scores + r * width;
+    float total = 0.f;
+    if (n > 0) {  // scale > 0: the largest scaled score is the scaled largest score
+      const __m512 mx = _mm512_set1_ps(max16(sr, n)), vscale = _mm512_set1_ps(scale);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 valid = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + i), mx),
+                                       vscale);
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(x));
+        sum = _mm512_add_ps(sum, p);
+        _mm256_mask_storeu_epi16(pr + i, valid, (__m256i)_mm512_cvtneps_pbh(p));
+      }
+      total = _mm512_reduce_add_ps(sum);
+    }
+    std::fill(pr + n, pr + width, uint16_t{0});
+    inv[r] = total > 0.f ? 1.f / total : 0.f;
+  }
+  float* sums = s.sums.data();  // [16, 64]: up to four output tiles
+  for (int64_t c = 0; c < dts; c += 4) {
+    const int64_t group = std::min<int64_t>(4, dts - c);  // dts is even: 4 or 2
+    if (group == 4)
+      values_group<4>(sums, probs, vt, c, dts, width);
+    else
+      values_group<2>(sums, probs, vt, c, dts, width);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 ir = _mm512_set1_ps(inv[r]);
+      for (int64_t n = 0; n < group; ++n)  // 16 dims at a time, rounded to bf16 (nearest even)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(out + r * out_stride + 16 * (c + n)),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sums + r * 64 + 16 * n), ir)));
+    }
+  }
+}
+#endif  // QS_PREFILL_AMX
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this build and process run the AMX kernel.
+int prefill_attention_available() {
+#if defined(QS_PREFILL_AMX)
+  return permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// 0 on success; 1: shapes or machine not supported (nothing written).
+int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
+                           const uint16_t* k, int64_t k_stride, const uint16_t* v,
+                           int64_t v_stride, int64_t L, int64_t S, int64_t hq, int64_t hkv,
+                           int64_t d, float scale) {
+#if defined(QS_PREFILL_AMX)
+  if (d <= 0 || d % 32 != 0 || hkv <= 0 || hq % hkv != 0 || L <= 0 || L > S || !permitted())
+    return 1;
+  const int64_t group = hq / hkv, dcs = d / 32, dts = d / 16;
+  const int64_t k_elems = (S + ROWS - 1) / ROWS * dcs * TILE, v_elems = (S + 31) / 32 * dts * TILE;
+  std::vector<uint16_t> packed(hkv * (k_elems + v_elems));
+  const int64_t blocks = (L + ROWS - 1) / ROWS, width = (S + 31) / 32 * 32;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < 2 * hkv; ++i) {
+      uint16_t* dst = packed.data() + (i / 2) * (k_elems + v_elems);
+      if (i % 2 == 0)
+        pack_k(dst, k + (i / 2) * d, k_stride, S, d);
+      else
+        pack_v(dst + k_elems, v + (i / 2) * d, v_stride, S, d);
+    }  // the loop's barrier: every head is packed before any task reads it
+    static thread_local Scratch scratch;
+    scratch.scores.resize(ROWS * width), scratch.inv.resize(ROWS), scratch.sums.resize(ROWS * 64);
+    scratch.probs.resize(ROWS * width), scratch.qrows.resize(ROWS * d);
+    configure();
+    // the last query blocks see the most keys: they go first, so the dynamic schedule ends on
+    // short tasks
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < hkv * group * blocks; ++task) {
+      const int64_t head = task / blocks, b = blocks - 1 - task % blocks;
+      const int64_t h = head / group, r0 = b * ROWS;
+      const uint16_t* kt = packed.data() + h * (k_elems + v_elems);
+      attend_rows(out + r0 * out_stride + head * d, out_stride, q + r0 * q_stride + head * d,
+                  q_stride, std::min(ROWS, L - r0), S - L + r0, kt, kt + k_elems, S, d, scale,
+                  scratch);
+    }
+    _tile_release();
+  }
+  return 0;
+#else
+  (void)out, (void)out_stride, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v;
+  (void)v_stride, (void)L, (void)S, (void)hq, (void)hkv, (void)d, (void)scale;
+  return 1;
+#endif
+}
+
+}  // extern "C"
