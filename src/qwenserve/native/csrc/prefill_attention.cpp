@@ -163,6 +163,26 @@ inline float max16(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
 }
 
+// Tile C += Q . K^T of one key tile kb (DCS chunks of 32 dims; query tiles in 2.., B its K
+// tile). A macro: the tile intrinsics take their tile numbers as literal tokens.
+#define QS_KEY_TILE_SCORES(DCS, C, B, kb)          \
+  do {                                             \
+    _tile_loadd(B, (kb), 64);                      \
+    _tile_dpbf16ps(C, 2, B);                       \
+    if constexpr ((DCS) > 1) {                     \
+      _tile_loadd(B, (kb) + TILE, 64);             \
+      _tile_dpbf16ps(C, 3, B);                     \
+    }                                              \
+    if constexpr ((DCS) > 2) {                     \
+      _tile_loadd(B, (kb) + 2 * TILE, 64);         \
+      _tile_dpbf16ps(C, 4, B);                     \
+    }                                              \
+    if constexpr ((DCS) > 3) {                     \
+      _tile_loadd(B, (kb) + 3 * TILE, 64);         \
+      _tile_dpbf16ps(C, 5, B);                     \
+    }                                              \
+  } while (0)
+
 // Scores of 16 query rows against every key tile, the DCS query tiles (32 dims each) held in
 // tiles 2.. for the whole pass; two key tiles at a time into tiles 0 and 1 (B tiles 6 and 7).
 template <int DCS>
@@ -175,52 +195,16 @@ void scores_resident(float* scores, const uint16_t* qrows, const uint16_t* kt, i
   if constexpr (DCS > 3) _tile_loadd(5, qrows + 96, D * sizeof(uint16_t));
   int64_t t = 0;
   for (; t + 2 <= ktiles; t += 2) {
-    const uint16_t* k0 = kt + t * DCS * TILE;
-    const uint16_t* k1 = k0 + DCS * TILE;
     _tile_zero(0);
     _tile_zero(1);
-    _tile_loadd(6, k0, 64);
-    _tile_loadd(7, k1, 64);
-    _tile_dpbf16ps(0, 2, 6);
-    _tile_dpbf16ps(1, 2, 7);
-    if constexpr (DCS > 1) {
-      _tile_loadd(6, k0 + TILE, 64);
-      _tile_loadd(7, k1 + TILE, 64);
-      _tile_dpbf16ps(0, 3, 6);
-      _tile_dpbf16ps(1, 3, 7);
-    }
-    if constexpr (DCS > 2) {
-      _tile_loadd(6, k0 + 2 * TILE, 64);
-      _tile_loadd(7, k1 + 2 * TILE, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (DCS > 3) {
-      _tile_loadd(6, k0 + 3 * TILE, 64);
-      _tile_loadd(7, k1 + 3 * TILE, 64);
-      _tile_dpbf16ps(0, 5, 6);
-      _tile_dpbf16ps(1, 5, 7);
-    }
+    QS_KEY_TILE_SCORES(DCS, 0, 6, kt + t * DCS * TILE);
+    QS_KEY_TILE_SCORES(DCS, 1, 7, kt + (t + 1) * DCS * TILE);
     _tile_stored(0, scores + ROWS * t, width * sizeof(float));
     _tile_stored(1, scores + ROWS * (t + 1), width * sizeof(float));
   }
   if (t < ktiles) {
-    const uint16_t* k0 = kt + t * DCS * TILE;
     _tile_zero(0);
-    _tile_loadd(6, k0, 64);
-    _tile_dpbf16ps(0, 2, 6);
-    if constexpr (DCS > 1) {
-      _tile_loadd(6, k0 + TILE, 64);
-      _tile_dpbf16ps(0, 3, 6);
-    }
-    if constexpr (DCS > 2) {
-      _tile_loadd(6, k0 + 2 * TILE, 64);
-      _tile_dpbf16ps(0, 4, 6);
-    }
-    if constexpr (DCS > 3) {
-      _tile_loadd(6, k0 + 3 * TILE, 64);
-      _tile_dpbf16ps(0, 5, 6);
-    }
+    QS_KEY_TILE_SCORES(DCS, 0, 6, kt + t * DCS * TILE);
     _tile_stored(0, scores + ROWS * t, width * sizeof(float));
   }
 }
