@@ -96,8 +96,8 @@ class PrefillAttention:
         self._fn.restype = ctypes.c_int
         self.available = bool(lib.prefill_attention_available())
 
-    def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        return (self.available and q.dtype == k.dtype == v.dtype == torch.bfloat16
+    def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
+        return (self.available and scale > 0 and q.dtype == k.dtype == v.dtype == torch.bfloat16
                 and q.device.type == "cpu" and q.dim() == k.dim() == v.dim() == 3
                 and q.shape[2] % 32 == 0 and k.shape == v.shape and q.shape[2] == k.shape[2]
                 and q.shape[1] % k.shape[1] == 0 and 0 < q.shape[0] <= k.shape[0])

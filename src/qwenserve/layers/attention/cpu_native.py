@@ -59,6 +59,6 @@ class CpuNativeBackend(TorchRefBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
-        if self.prefill_kernel is not None and self.prefill_kernel.supports(q, k, v):
+        if self.prefill_kernel is not None and self.prefill_kernel.supports(q, k, v, scale):
             return self.prefill_kernel(q, k, v, scale)
         return super().prefill(q, k, v, scale)

@@ -12,11 +12,12 @@
 // A task is (KV head, query head of its group, 16 query rows): scores over the keys the block
 // can see (fp32 tiles), an exact two-pass softmax per row in fp32 (masked keys excluded), P
 // rounded to bf16 for the product (as flash kernels do), the sums scaled by 1 / row sum and
-// rounded to bf16. Needs D % 32 == 0 and Hq % Hkv == 0; returns 1 (the caller keeps its own
-// kernel) where the shapes or the machine do not fit.
+// rounded to bf16. Needs D % 32 == 0, Hq % Hkv == 0 and scale > 0; returns 1 (the caller keeps
+// its own kernel) where the shapes or the machine do not fit.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
@@ -338,17 +339,19 @@ int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q,
                            int64_t v_stride, int64_t L, int64_t S, int64_t hq, int64_t hkv,
                            int64_t d, float scale) {
 #if defined(QS_PREFILL_AMX)
-  if (d <= 0 || d % 32 != 0 || hkv <= 0 || hq % hkv != 0 || L <= 0 || L > S || !permitted())
+  if (d <= 0 || d % 32 != 0 || hkv <= 0 || hq % hkv != 0 || L <= 0 || L > S || !(scale > 0.f) ||
+      !permitted())
     return 1;
   const int64_t group = hq / hkv, dcs = d / 32, dts = d / 16;
   const int64_t k_elems = (S + ROWS - 1) / ROWS * dcs * TILE, v_elems = (S + 31) / 32 * dts * TILE;
-  std::vector<uint16_t> packed(hkv * (k_elems + v_elems));
+  // every element is written by pack_k / pack_v (padding included): no zeroing of the buffer
+  std::unique_ptr<uint16_t[]> packed(new uint16_t[hkv * (k_elems + v_elems)]);
   const int64_t blocks = (L + ROWS - 1) / ROWS, width = (S + 31) / 32 * 32;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < 2 * hkv; ++i) {
-      uint16_t* dst = packed.data() + (i / 2) * (k_elems + v_elems);
+      uint16_t* dst = packed.get() + (i / 2) * (k_elems + v_elems);
       if (i % 2 == 0)
         pack_k(dst, k + (i / 2) * d, k_stride, S, d);
       else
@@ -364,7 +367,7 @@ int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q,
     for (int64_t task = 0; task < hkv * group * blocks; ++task) {
       const int64_t head = task / blocks, b = blocks - 1 - task % blocks;
       const int64_t h = head / group, r0 = b * ROWS;
-      const uint16_t* kt = packed.data() + h * (k_elems + v_elems);
+      const uint16_t* kt = packed.get() + h * (k_elems + v_elems);
       attend_rows(out + r0 * out_stride + head * d, out_stride, q + r0 * q_stride + head * d,
                   q_stride, std::min(ROWS, L - r0), S - L + r0, kt, kt + k_elems, S, d, scale,
                   scratch);
