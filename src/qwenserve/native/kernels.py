@@ -116,19 +116,24 @@ class PrefillAttention:
         return out
 
 
+def prefill_attention_library() -> ctypes.CDLL | None:
+    """The compiled library (it builds on every x86 CPU; only AMX ones can run its kernel)."""
+    return load_library("qwenserve_prefill_attention",
+                        [os.path.join(CSRC, "prefill_attention.cpp")],
+                        cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
+
+
 @functools.cache
 def prefill_attention() -> PrefillAttention | None:
     """The AMX prefill-attention kernel, or None (logged once) where it cannot be built or the
-    CPU has no AMX."""
-    lib = load_library("qwenserve_prefill_attention",
-                       [os.path.join(CSRC, "prefill_attention.cpp")],
-                       cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
+    CPU (or the process) cannot use AMX tiles."""
+    lib = prefill_attention_library()
     if lib is None:
         return None
     kernel = PrefillAttention(lib)
     if not kernel.available:
-        logger.info("prefill attention: no AMX tiles on this CPU; prefill chunks use PyTorch's "
-                    "flash kernel")
+        logger.info("prefill attention: no AMX tiles for this process (CPU, compiler or kernel "
+                    "permission); prefill chunks use PyTorch's flash kernel")
         return None
     return kernel
 
