@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from qwenserve.platforms.cpu_packed_gemm import PackedBf16Linear, PackedInt8Matmul
+from qwenserve.platforms.cpu_packed_gemm import PackedFloatLinear, PackedInt8Matmul
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864),
           "lm_head": (151936, 896)}
@@ -43,7 +43,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bf16, int8 = PackedBf16Linear(), PackedInt8Matmul()
+    bf16, int8 = PackedFloatLinear(torch.bfloat16), PackedInt8Matmul()
     print(f"{torch.get_num_threads()} threads; ms per call (median), speed-up vs bf16 packed")
     print("| shape | rows | bf16 packed | int8 `torch._int_mm` | int8 packed |\n|---|---|---|---|---|")
     for name, (n, k) in SHAPES.items():
@@ -58,7 +58,7 @@ def main() -> None:
                   f"| {packed:.3f} ({base / packed:.2f}x) |")
 
 
-def row_times(bf16: PackedBf16Linear, int8: PackedInt8Matmul, rows: int,
+def row_times(bf16: PackedFloatLinear, int8: PackedInt8Matmul, rows: int,
               w_bf16: list[torch.Tensor], w_int8: list[torch.Tensor], scale: torch.Tensor,
               repeats: int) -> tuple[float, float, float]:
     """Median ms of bf16 packed, int8 ``_int_mm`` and int8 packed at ``rows`` rows of x."""

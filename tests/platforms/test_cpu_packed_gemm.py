@@ -1,5 +1,5 @@
-"""GEMMs on weights packed once for oneDNN: bf16 (AMX / AVX512-BF16 CPUs) gives F.linear's
-numbers and int8 (AMX / VNNI) the exact W8A8 sums; each weight is packed once, packed again after
+"""GEMMs on weights packed once for oneDNN: bf16 (AMX / AVX512-BF16 CPUs) and float32 (AVX512
+CPUs) give F.linear's numbers and int8 (AMX / VNNI) the exact W8A8 sums; each weight is packed once, packed again after
 an in-place write, forgotten with the weight; views are left to the plain kernels; and the CPU
 platform chooses them only where the CPU runs them natively and the switch is on."""
 
@@ -15,18 +15,27 @@ from qwenserve.platforms import cpu as cpu_platform
 from qwenserve.platforms.base import int32_epilogue
 from qwenserve.platforms.cpu import CpuPlatform
 from qwenserve.platforms.cpu_packed_gemm import (
-    PackedBf16Linear,
+    PackedFloatLinear,
     PackedInt8Matmul,
-    packed_bf16_linear,
+    packed_float_linear,
     packed_int8_matmul,
 )
 
 
+def _packed_or_skip(dtype: torch.dtype) -> PackedFloatLinear:
+    if packed_float_linear(dtype) is None:
+        pytest.skip(f"this torch build / CPU cannot pack {dtype} weights for oneDNN")
+    return PackedFloatLinear(dtype)
+
+
 @pytest.fixture
-def packed() -> PackedBf16Linear:
-    if packed_bf16_linear() is None:
-        pytest.skip("this torch build / CPU cannot pack bf16 weights for oneDNN")
-    return PackedBf16Linear()
+def packed() -> PackedFloatLinear:
+    return _packed_or_skip(torch.bfloat16)
+
+
+# tolerances for one product of K <= 96 against F.linear's: bf16's rounding, float32's sums
+_TOLERANCE = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
+              torch.float32: {"rtol": 1e-5, "atol": 1e-4}}
 
 
 @pytest.fixture
@@ -36,14 +45,16 @@ def packed_int8() -> PackedInt8Matmul:
     return PackedInt8Matmul()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lead", [(1,), (7,), (3, 5), (70,)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_f_linear(packed, lead, bias):
-    x, w = torch.randn(*lead, 96).bfloat16(), torch.randn(40, 96).bfloat16()
-    b = torch.randn(40).bfloat16() if bias else None
+def test_matches_f_linear(dtype, lead, bias):
+    packed = _packed_or_skip(dtype)
+    x, w = torch.randn(*lead, 96).to(dtype), torch.randn(40, 96).to(dtype)
+    b = torch.randn(40).to(dtype) if bias else None
     got = packed(x, w, b)
-    assert got.dtype == torch.bfloat16 and got.shape == (*lead, 40)
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)
+    assert got.dtype == dtype and got.shape == (*lead, 40)
+    torch.testing.assert_close(got, F.linear(x, w, b), **_TOLERANCE[dtype])
 
 
 def test_packs_once_repacks_after_a_write_and_forgets_freed_weights(packed, monkeypatch):
@@ -71,7 +82,8 @@ def test_packs_once_repacks_after_a_write_and_forgets_freed_weights(packed, monk
 
 def test_other_dtypes_layouts_and_views_are_not_taken(packed):
     x, w = torch.randn(4, 32), torch.randn(16, 32)
-    assert not packed.supports(x, w)
+    assert not packed.supports(x, w)  # the bf16 kernel takes no float32 weight
+    assert not packed.supports(x.bfloat16(), w)  # nor a mixed pair
     assert not packed.supports(x.bfloat16(), w.bfloat16().t().contiguous().t())
     stacked = torch.randn(3, 16, 32).bfloat16()  # experts: stacked[e] is a new view per call
     assert not packed.supports(x.bfloat16(), stacked[1])
@@ -131,20 +143,31 @@ def test_platform_routes_int8_to_packed_weights_only_with_vnni_or_amx(monkeypatc
     assert bool(calls) == expect_packed
 
 
-@pytest.mark.parametrize("native_bf16,switch,expect_packed", [
+# (dtype, the CPU feature it needs, its switch): bf16 where bf16 is native, float32 on AVX512
+_FLOAT_ROUTES = {torch.bfloat16: ("supports_native_bf16", "QWENSERVE_PACKED_BF16"),
+                 torch.float32: ("_has_avx512", "QWENSERVE_PACKED_FP32")}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("feature,switch,expect_packed", [
     (True, None, True), (True, "0", False), (False, None, False)])
-def test_platform_routes_bf16_to_packed_weights_only_where_native(monkeypatch, native_bf16,
-                                                                  switch, expect_packed):
-    if expect_packed and packed_bf16_linear() is None:
-        pytest.skip("this torch build / CPU cannot pack bf16 weights for oneDNN")
-    monkeypatch.setattr(CpuPlatform, "supports_native_bf16", lambda self: native_bf16)
-    set_switch(monkeypatch, "QWENSERVE_PACKED_BF16", switch)
+def test_platform_routes_floats_to_packed_weights_only_where_the_cpu_runs_them(
+        monkeypatch, dtype, feature, switch, expect_packed):
+    if expect_packed and packed_float_linear(dtype) is None:
+        pytest.skip(f"this torch build / CPU cannot pack {dtype} weights for oneDNN")
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    for kind, (probe, env) in _FLOAT_ROUTES.items():  # the other dtype's route off
+        on = feature if kind == dtype else False
+        monkeypatch.setattr(CpuPlatform, probe, staticmethod(lambda *_, on=on: on))
+        set_switch(monkeypatch, env, switch if kind == dtype else None)
+    packed_calls = []
+    real_call = PackedFloatLinear.__call__
+    monkeypatch.setattr(PackedFloatLinear, "__call__", lambda self, *args: (
+        packed_calls.append(self.dtype) or real_call(self, *args)))
     linear = CpuPlatform().float_linear()
     assert (getattr(linear, "func", None) is cpu_platform._packed_or) == expect_packed
     assert CpuPlatform().float_linear() is linear  # one object per route: wrappers compare it
-    x, w = torch.randn(3, 64).bfloat16(), torch.randn(24, 64).bfloat16()
-    torch.testing.assert_close((linear or F.linear)(x, w), F.linear(x, w), rtol=1.6e-2,
-                               atol=1e-2)
-    xf, wf = x.float(), w.float()  # float32 keeps oneDNN's fp32 route either way
-    torch.testing.assert_close((linear or F.linear)(xf, wf), F.linear(xf, wf), rtol=1e-5,
-                               atol=1e-4)
+    for t in (dtype, other):
+        x, w = torch.randn(6, 64).to(t), torch.randn(24, 64).to(t)
+        torch.testing.assert_close((linear or F.linear)(x, w), F.linear(x, w), **_TOLERANCE[t])
+    assert packed_calls == ([dtype] if expect_packed else [])

@@ -1,5 +1,6 @@
 """Every GEMM weight's first call happens at load (``worker/warm_up.py``): once per linear
-layer and LM head of the language model, none for a vision tower, no collective."""
+layer and LM head of the language model, none for a vision tower, no collective; with enough
+rows to pass the platform's skinny GEMM and reach its packing one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from qwenserve.layers.backends import Backends
 from qwenserve.layers.linear import LinearBase
 from qwenserve.models.base import ModelContext
 from qwenserve.models.qwen2 import Qwen2ForCausalLM
-from qwenserve.worker.warm_up import warm_up_gemms
+from qwenserve.worker.warm_up import WARM_UP_ROWS, warm_up_gemms
 
 
 class RecordingGemm:
@@ -24,7 +25,7 @@ class RecordingGemm:
         self.weights: list[int] = []
 
     def __call__(self, x, weight, bias=None):
-        assert x.shape[0] == 1
+        assert x.shape[0] == WARM_UP_ROWS
         self.weights.append(id(weight))
         return F.linear(x, weight, bias)
 

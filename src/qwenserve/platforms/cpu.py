@@ -12,9 +12,9 @@ import torch
 
 from qwenserve.platforms.base import Platform, int32_epilogue
 from qwenserve.platforms.cpu_packed_gemm import (
-    PackedBf16Linear,
+    PackedFloatLinear,
     PackedInt8Matmul,
-    packed_bf16_linear,
+    packed_float_linear,
     packed_int8_matmul,
 )
 
@@ -50,19 +50,21 @@ def _has_onednn_linear() -> bool:
         return False
 
 
-def _packed_or(packed: PackedBf16Linear, linear, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    if packed.supports(x, weight):
-        return packed(x, weight, bias)
+def _packed_or(packed: dict[torch.dtype, PackedFloatLinear], linear, x: torch.Tensor,
+               weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    kernel = packed.get(x.dtype)
+    if kernel is not None and kernel.supports(x, weight):
+        return kernel(x, weight, bias)
     return linear(x, weight, bias)
 
 
 @functools.cache
-def _float_linear(onednn_fp32: bool, packed_bf16: bool):
+def _float_linear(onednn_fp32: bool, packed_dtypes: tuple[torch.dtype, ...]):
     """One function object per route (layers and GEMM wrappers compare them)."""
     linear = _onednn_linear if onednn_fp32 else torch.nn.functional.linear
-    packed = packed_bf16_linear() if packed_bf16 else None
-    if packed is None:
+    packed = {dtype: kernel for dtype in packed_dtypes
+              if (kernel := packed_float_linear(dtype)) is not None}
+    if not packed:
         return linear if onednn_fp32 else None
     return functools.partial(_packed_or, packed, linear)
 
@@ -149,8 +151,19 @@ class CpuPlatform(Platform):
         # oneDNN for the shapes a model runs (benchmarks.md). bf16 goes to oneDNN either way;
         # with AMX / AVX512-BF16 on weights packed once (cpu_packed_gemm.py): 1.3-2x faster
         # at decode sizes on a Sapphire Rapids Xeon (docs/benchmarks.md, "bf16 on AMX").
-        packed = self.supports_native_bf16() and os.environ.get("QWENSERVE_PACKED_BF16") != "0"
-        return _float_linear(_has_onednn_linear(), packed)
+        # float32 on AVX512 CPUs (where oneDNN takes every GEMM of 5 rows or more) too: 1.04-1.15x
+        # at 64 rows, 1.3-1.5x at 8-16 on an AMX Xeon (docs/benchmarks.md, "float32 on packed
+        # weights"); on AVX2 CPUs native/csrc/sgemm.cpp takes them from 8 rows instead.
+        packed: list[torch.dtype] = []
+        if self.supports_native_bf16() and os.environ.get("QWENSERVE_PACKED_BF16") != "0":
+            packed.append(torch.bfloat16)
+        if self._has_avx512() and os.environ.get("QWENSERVE_PACKED_FP32") != "0":
+            packed.append(torch.float32)
+        return _float_linear(_has_onednn_linear(), tuple(packed))
+
+    @staticmethod
+    def _has_avx512() -> bool:
+        return "avx512f" in _cpu_flags()
 
     def int8_skinny_max_rows(self) -> int:
         # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 0.9 ms per row of x on the

@@ -1,16 +1,18 @@
 """GEMMs on weights packed once into oneDNN's blocked layout: bf16 on AMX / AVX512-BF16 CPUs,
-int8 (W8A8) on AMX-INT8 / VNNI CPUs.
+float32 on AVX512 CPUs, int8 (W8A8) on AMX-INT8 / VNNI CPUs.
 
-torch's bf16 ``F.linear`` and int8 ``torch._int_mm`` hand oneDNN the plain [N, K] weight, and
-oneDNN reorders it into the blocked layout its AMX / VNNI kernel reads, on every call: at decode
-sizes the reorder costs as much as the product (docs/benchmarks.md, "bf16 on AMX" and "INT8 on
-AMX"). vLLM's CPU backend prepacks its weights for the same reason. Here each weight is packed at
+torch's ``F.linear`` (bf16), oneDNN's linear on a plain weight (float32) and ``torch._int_mm``
+(int8) hand oneDNN the plain [N, K] weight, and oneDNN reorders it into the blocked layout its
+AMX / AVX512 / VNNI kernel reads, on every call: at decode sizes the reorder costs as much as the
+product (docs/benchmarks.md, "bf16 on AMX", "float32 on packed weights" and "INT8 on AMX").
+vLLM's CPU backend prepacks its weights for the same reason. Here each weight is packed at
 its first call (which the worker makes at load: ``worker/warm_up.py``) and the packed copy kept
 beside it, keyed weakly by the weight tensor (it goes when the weight goes) and made again if the
 weight is written in place. The plain weight stays the
 model's: weight accounting, tied embeddings and sharded-state saving see it unchanged; the price
 is a second copy of those weights in host memory (logged once per kind;
-``QWENSERVE_PACKED_BF16=0`` / ``QWENSERVE_PACKED_INT8=0`` turn packing off). Views (one expert's
+``QWENSERVE_PACKED_BF16=0`` / ``QWENSERVE_PACKED_FP32=0`` / ``QWENSERVE_PACKED_INT8=0`` turn
+packing off). Views (one expert's
 slice of a stacked MoE weight) are a new tensor each call and are left to the plain kernels.
 """
 
@@ -30,7 +32,7 @@ logger = logging.getLogger(__name__)
 _PACK_BATCH_HINT = 64
 
 
-def _pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+def _pack_float(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
 
 
@@ -95,17 +97,27 @@ class PackedWeights:
             self.packed_bytes -= nbytes
 
 
-class PackedBf16Linear:
-    """``linear(x, weight, bias)`` for bf16 weights through a once-packed copy of each."""
+# What each packed float dtype's first packing logs: the memory it costs and its switch.
+_FLOAT_ANNOUNCE = {
+    torch.bfloat16: "bf16 GEMMs read each weight packed once for oneDNN's AMX/AVX512-BF16 "
+                    "kernels: a second copy of the bf16 weights in host memory "
+                    "(QWENSERVE_PACKED_BF16=0 turns this off)",
+    torch.float32: "float32 GEMMs of 5 rows or more read each weight packed once for oneDNN's "
+                   "AVX512 kernels: a second copy of the float32 weights in host memory "
+                   "(QWENSERVE_PACKED_FP32=0 turns this off)",
+}
 
-    def __init__(self) -> None:
-        self.packed = PackedWeights(
-            _pack_bf16, "bf16 GEMMs read each weight packed once for oneDNN's AMX/AVX512-BF16 "
-            "kernels: a second copy of the bf16 weights in host memory "
-            "(QWENSERVE_PACKED_BF16=0 turns this off)")
+
+class PackedFloatLinear:
+    """``linear(x, weight, bias)`` for weights of one float dtype (bf16 or float32) through a
+    once-packed copy of each."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.packed = PackedWeights(_pack_float, _FLOAT_ANNOUNCE[dtype])
 
     def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return weight.dtype == x.dtype == torch.bfloat16 and x.is_cpu and _is_packable(weight)
+        return weight.dtype == x.dtype == self.dtype and x.is_cpu and _is_packable(weight)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,11 +170,11 @@ def _self_test(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], what: str) 
     return False
 
 
-def _bf16_pair() -> tuple[torch.Tensor, torch.Tensor]:
-    x, w, b = (torch.randn(3, 2, 32).bfloat16(), torch.randn(16, 32).bfloat16(),
-               torch.randn(16).bfloat16())
+def _float_pair(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w, b = (torch.randn(3, 2, 32).to(dtype), torch.randn(16, 32).to(dtype),
+               torch.randn(16).to(dtype))
     # the kernel's own two calls, without its log line
-    return _packed_linear(x, _pack_bf16(w), b), torch.nn.functional.linear(x, w, b)
+    return _packed_linear(x, _pack_float(w), b), torch.nn.functional.linear(x, w, b)
 
 
 def _int8_pair() -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,10 +185,13 @@ def _int8_pair() -> tuple[torch.Tensor, torch.Tensor]:
     return _packed_int8_mm(a, _pack_int8(w), scale, None), want
 
 
-@functools.lru_cache(maxsize=1)
-def packed_bf16_linear() -> PackedBf16Linear | None:
-    """The packed bf16 GEMM where this torch build has it and it matches ``F.linear``."""
-    return PackedBf16Linear() if _self_test(_bf16_pair, "bf16") else None
+@functools.lru_cache(maxsize=4)
+def packed_float_linear(dtype: torch.dtype) -> PackedFloatLinear | None:
+    """The packed GEMM for ``dtype`` (bf16 or float32) where this torch build has it and it
+    matches ``F.linear``."""
+    name = "bf16" if dtype == torch.bfloat16 else "float32"
+    ok = _self_test(lambda: _float_pair(dtype), name)
+    return PackedFloatLinear(dtype) if ok else None
 
 
 @functools.lru_cache(maxsize=1)

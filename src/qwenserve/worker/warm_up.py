@@ -1,10 +1,11 @@
 """Each GEMM weight's first call at load time, not in the first request's.
 
 A platform may prepare a weight at its first GEMM and keep the result: on CPU, oneDNN's packed
-copy of every bf16 and int8 weight (``platforms/cpu_packed_gemm.py``), ~2 s for a 0.5B model's
-0.9 GB. Left to the first step, that time landed in the first requests' TTFT and in offline
-throughput, where vLLM packs during its start-up. One row through each linear layer's GEMM and
-the LM head's, on this rank only (no collective), moves it into loading.
+copy of every bf16, float32 and int8 weight (``platforms/cpu_packed_gemm.py``), ~2 s for a 0.5B
+model's 0.9 GB. Left to the first step, that time landed in the first requests' TTFT and in
+offline throughput, where vLLM packs during its start-up. A decode-sized batch of rows through
+each linear layer's GEMM and the LM head's, on this rank only (no collective), moves it into
+loading.
 """
 
 from __future__ import annotations
@@ -15,23 +16,27 @@ from torch import nn
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.linear import LinearBase
 
+# Rows of the warm-up call: past the 1-4 rows that a platform's skinny GEMM takes on the plain
+# weight (float32 on CPU), so that the call reaches the GEMM that keeps a prepared copy.
+WARM_UP_ROWS = 16
+
 
 @torch.inference_mode()
 def warm_up_gemms(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Run one row of activations (``dtype``) through the GEMM of every linear layer and LM
-    head of ``model``'s language part (a vision tower's weights stay as they are until an image
-    comes: text-only serving would carry their prepared copies for nothing); returns how many
-    GEMMs ran."""
+    """Run ``WARM_UP_ROWS`` rows of activations (``dtype``) through the GEMM of every linear
+    layer and LM head of ``model``'s language part (a vision tower's weights stay as they are
+    until an image comes: text-only serving would carry their prepared copies for nothing);
+    returns how many GEMMs ran."""
     count = 0
     for name, module in model.named_modules():
         if name == "visual" or name.startswith("visual."):
             continue
         if isinstance(module, LinearBase):
-            x = torch.full((1, module.input_size), 0.01, dtype=dtype, device=device)
+            x = torch.full((WARM_UP_ROWS, module.input_size), 0.01, dtype=dtype, device=device)
             module.quant_method.apply(module, x, None)
         elif isinstance(module, ParallelLMHead):
-            module.local_logits(torch.full((1, module.weight.shape[1]), 0.01, dtype=dtype,
-                                           device=device))
+            module.local_logits(torch.full((WARM_UP_ROWS, module.weight.shape[1]), 0.01,
+                                           dtype=dtype, device=device))
         else:
             continue
         count += 1

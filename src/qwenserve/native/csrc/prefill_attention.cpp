@@ -150,7 +150,9 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // The largest of x[0..n), n > 0: four 16-lane maxima side by side (one chain of dependent
-// maxima was a tenth of the kernel's time).
+// maxima was a tenth of the kernel's time). Not vec_math.h's portable max_of: with four (or
+// eight) partial maxima and 512-bit vectors that one still left this kernel 1.1-1.2x slower at
+// 256-1,024 tokens (its scalar tails and the call on the many short causal rows; 2026-12-05).
 inline float max16(const float* x, int64_t n) {
   __m512 m[4];
   for (auto& v : m) v = _mm512_set1_ps(-__builtin_inff());
