@@ -20,6 +20,8 @@
 #include <memory>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512F__)
 #include <immintrin.h>
@@ -127,26 +129,6 @@ void pack_v(uint16_t* dst, const uint16_t* v, int64_t v_stride, int64_t S, int64
                             _mm512_permutex2var_epi16(a, interleave, b));
       }
     }
-}
-
-// e^x for x <= 0, 16 lanes (~1 ulp; x below -87.3 gives ~1e-38 where expf underflows to 0,
-// no difference once P is rounded to bf16; NaN stays NaN): Cephes' expf polynomial on
-// x - n ln2, scaled by 2^n with vscalefps. The softmax's exponentials were 60% of this kernel
-// with vec_math.h's exp_approx, whose infinity and overflow handling a softmax never needs.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // a NaN x is the result (second operand)
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
 }
 
 // The largest of x[0..n), n > 0: four 16-lane maxima side by side (one chain of dependent
@@ -295,7 +277,7 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
         const __mmask16 valid = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
         const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + i), mx),
                                        vscale);
-        const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(x));
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp16(x));
         sum = _mm512_add_ps(sum, p);
         _mm256_mask_storeu_epi16(pr + i, valid, (__m256i)_mm512_cvtneps_pbh(p));
       }
