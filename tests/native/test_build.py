@@ -55,6 +55,24 @@ def test_builds_once_then_loads_from_the_cache(monkeypatch, caplog, tmp_path):
         assert ("compiling native add_kernels" in caplog.text) == expect_compile
 
 
+def test_a_header_on_the_include_path_rebuilds_the_library(monkeypatch, caplog, tmp_path):
+    """A library that includes a header from another directory (``-I``) is rebuilt when that
+    header changes: a stale library would keep the old header's code."""
+    if build.compiler() is None:
+        return
+    monkeypatch.setenv("QWENSERVE_CACHE_DIR", str(tmp_path))
+    (tmp_path / "inc").mkdir()
+    header = tmp_path / "inc" / "value.h"
+    src = tmp_path / "src" / "value.cpp"
+    src.parent.mkdir()
+    src.write_text('#include "value.h"\nextern "C" int value() { return VALUE; }\n')
+    for value in (1, 2):
+        header.write_text(f"#define VALUE {value}\n")
+        build._load.cache_clear()
+        lib = build.load_library("value_kernels", [str(src)], cflags=("-O0", f"-I{header.parent}"))
+        assert lib is not None and lib.value() == value
+
+
 def test_loading_the_kernels_keeps_subnormal_floats():
     """Loading a kernel library must not switch the process to flush-to-zero (GCC's -ffast-math
     links crtfastmath.o into shared objects before GCC 13, which does that at load time)."""

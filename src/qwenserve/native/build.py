@@ -37,17 +37,18 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-def _headers(sources: tuple[str, ...]) -> list[str]:
-    """The headers next to the sources (``#include "x.h"``): part of the cache key, so that a
-    changed header rebuilds every library."""
-    dirs = sorted({os.path.dirname(path) for path in sources})
-    return [os.path.join(d, name) for d in dirs for name in sorted(os.listdir(d))
+def _headers(sources: tuple[str, ...], cflags: tuple[str, ...]) -> list[str]:
+    """The headers next to the sources and in the ``-I`` directories (``#include "x.h"``): part
+    of the cache key, so that a changed header rebuilds every library that may include it."""
+    dirs = {os.path.dirname(path) for path in sources}
+    dirs |= {flag[2:] for flag in cflags if flag.startswith("-I")}
+    return [os.path.join(d, name) for d in sorted(dirs) for name in sorted(os.listdir(d))
             if name.endswith(".h")]
 
 
 def _library_path(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for path in (*sources, *_headers(sources)):
+    for path in (*sources, *_headers(sources, cflags)):
         with open(path, "rb") as f:
             digest.update(f.read())
     digest.update(" ".join(cflags).encode())

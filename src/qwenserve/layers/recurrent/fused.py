@@ -38,11 +38,12 @@ from qwenserve.layers.recurrent.torch_ref import (
 )
 from qwenserve.native import load_library
 from qwenserve.native.build import DEFAULT_CFLAGS
-from qwenserve.native.kernels import heads_rows
+from qwenserve.native.kernels import CSRC, heads_rows
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "gdn_cpu.cpp")
-# FMA contraction: ISO C++ modes (-std=c++17) leave a * b + c unfused otherwise.
-_CFLAGS = (*DEFAULT_CFLAGS, "-ffp-contract=fast")
+# FMA contraction: ISO C++ modes (-std=c++17) leave a * b + c unfused otherwise. The native
+# kernels' csrc/ for vec_math.h's 16-lane SiLU (its headers join the build's cache key).
+_CFLAGS = (*DEFAULT_CFLAGS, "-ffp-contract=fast", f"-I{CSRC}")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
