@@ -295,25 +295,50 @@ void gated_rms_norm(typename DT::T* out, const typename DT::T* x, const typename
 // terms: ~200 KB at C = 32) stays in L2, and the state panel a column block of the scan works on
 // (Dk x 16 floats) in L1. No padding: the last chunk of a prefill has n <= C rows.
 
-// C[MR x 8NV] = alpha * Cin + A[MR x kk] . B[kk x 8NV] (row-major; Cin null: from zero). The
-// MR x NV accumulators stay in registers over the kk loop (6 x 2: 12 of AVX2's 16).
-template <int MR, int NV>
+// A vector of W floats (GCC/Clang vector extensions): 8 is one AVX2 register (two NEON ones),
+// 16 one AVX512 register. Scalars broadcast in arithmetic with them.
+// (A trait, not an alias template: GCC drops vector_size from a dependent alias template.)
+template <int W>
+struct VecOf;
+template <>
+struct VecOf<8> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<16> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <int W>
+using vecf = typename VecOf<W>::type;
+
+template <typename V>
+inline V loadv(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// C[MR x W*NV] = alpha * Cin + A[MR x kk] . B[kk x W*NV] (row-major; Cin null: from zero). The
+// MR x NV accumulators stay in registers over the kk loop (AVX2: 6 x 2 of its 16; AVX512: 8 x 2
+// of its 32, twice the lanes: the chunked prefill's products ran at AVX2's FMA peak).
+template <int W, int MR, int NV>
 inline void tile(int64_t kk, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                  int64_t ldc, const float* Cin, int64_t ldcin, float alpha) {
-  vec8 acc[MR][NV];
+  using V = vecf<W>;
+  V acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v)
-      acc[r][v] = Cin ? splat8(alpha) * load8(Cin + r * ldcin + 8 * v) : splat8(0.0f);
+      acc[r][v] = Cin ? alpha * loadv<V>(Cin + r * ldcin + W * v) : V{};
   for (int64_t k = 0; k < kk; ++k) {
-    vec8 b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = load8(B + k * ldb + 8 * v);
+    V b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = loadv<V>(B + k * ldb + W * v);
     for (int r = 0; r < MR; ++r) {
-      const vec8 a = splat8(A[r * lda + k]);
+      const float a = A[r * lda + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) store8(C + r * ldc + 8 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) std::memcpy(C + r * ldc + W * v, &acc[r][v], sizeof(V));
 }
 
 // C[m x n] = alpha * Cin + A[m x k] . B[k x n] for n a multiple of 8 (Cin may be C itself).
@@ -332,18 +357,20 @@ struct Gemm {
   bool lower = false, skip_upper = false;
 };
 
-template <int NV>
+// Columns j.. j + W*NV of C, in row blocks of up to MR rows.
+template <int W, int MR, int NV>
 void gemm_columns(const Gemm& g, int64_t m, int64_t k, int64_t j) {
-  constexpr int64_t kRows = 6;
-  for (int64_t i = 0; i < m; i += kRows) {
-    const int64_t mr = std::min(kRows, m - i);
+  for (int64_t i = 0; i < m; i += MR) {
+    const int64_t mr = std::min<int64_t>(MR, m - i);
     if (g.skip_upper && j >= i + mr) continue;
     const int64_t kk = g.lower ? std::min(k, i + mr) : k;
     const float* A = g.A + i * g.lda;
     float* C = g.C + i * g.ldc + j;
     const float* Cin = g.Cin ? g.Cin + i * g.ldcin + j : nullptr;
-#define QS_TILE(R) tile<R, NV>(kk, A, g.lda, g.B + j, g.ldb, C, g.ldc, Cin, g.ldcin, g.alpha)
+#define QS_TILE(R) tile<W, R, NV>(kk, A, g.lda, g.B + j, g.ldb, C, g.ldc, Cin, g.ldcin, g.alpha)
     switch (mr) {
+      case 8: if constexpr (MR >= 8) { QS_TILE(8); break; } [[fallthrough]];
+      case 7: if constexpr (MR >= 7) { QS_TILE(7); break; } [[fallthrough]];
       case 6: QS_TILE(6); break;
       case 5: QS_TILE(5); break;
       case 4: QS_TILE(4); break;
@@ -357,8 +384,13 @@ void gemm_columns(const Gemm& g, int64_t m, int64_t k, int64_t j) {
 
 void gemm(const Gemm& g, int64_t m, int64_t n, int64_t k) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) gemm_columns<2>(g, m, k, j);
-  if (j < n) gemm_columns<1>(g, m, k, j);  // n % 16 == 8
+#if defined(__AVX512F__)
+  for (; j + 32 <= n; j += 32) gemm_columns<16, 8, 2>(g, m, k, j);
+  for (; j + 16 <= n; j += 16) gemm_columns<16, 8, 1>(g, m, k, j);
+#else
+  for (; j + 16 <= n; j += 16) gemm_columns<8, 6, 2>(g, m, k, j);
+#endif
+  if (j < n) gemm_columns<8, 6, 1>(g, m, k, j);  // n % 16 == 8
 }
 
 // One call: the prefills of a varlen step (sorted longest first, so that dynamic scheduling
