@@ -32,6 +32,7 @@ from qwenserve.layers.recurrent import (
     rms_norm_gated,
 )
 from qwenserve.layers.recurrent.delta_rule import recurrent_gated_delta_rule
+from qwenserve.layers.recurrent.fused import native_ops
 from qwenserve.platforms.cpu import CpuPlatform
 
 HIDDEN, HK, HV, DK, DV, KERNEL = 1024, 16, 16, 128, 128, 4
@@ -188,7 +189,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     default = get_recurrent_backend(args.backend)
-    args.chunk_size = args.chunk_size or getattr(default, "native_chunk_size", default.chunk_size)
+    ops = native_ops() if hasattr(default, "native_chunk_size") else None
+    args.chunk_size = args.chunk_size or (ops.preferred_chunk_size if ops else default.chunk_size)
     torch.manual_seed(0)
     cases = build_cases(args)
     print(f"command: {' '.join([sys.executable, *sys.argv])}")

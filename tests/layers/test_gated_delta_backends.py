@@ -192,6 +192,25 @@ def native_fused(chunk_size: int) -> RecurrentBackend:
     return backend
 
 
+def test_native_prefill_runs_at_the_builds_chunk_size(monkeypatch) -> None:
+    """With no chunk size set, the C++ prefill runs at its build's own: 16 where it was compiled
+    for AVX512 (16-lane tiles, -march=native), 32 otherwise."""
+    ops = fused_module.native_ops()
+    if ops is None:
+        pytest.skip("no C++ toolchain here")
+    with open("/proc/cpuinfo") as f:
+        avx512 = " avx512f " in f.read().replace("\n", " ")
+    assert ops.preferred_chunk_size == (16 if avx512 else 32)
+    seen = []
+    real = type(ops).chunk_prefill
+    monkeypatch.setattr(type(ops), "chunk_prefill", lambda self, *a: seen.append(a[-1]) or
+                        real(self, *a))
+    backend = get_recurrent_backend("fused")
+    assert backend.native_chunk_size is None
+    check_against_recurrence(backend, [40, 3], [0, 1], [False, False], seed=4)
+    assert seen and set(seen) == {ops.preferred_chunk_size}
+
+
 @pytest.mark.parametrize("chunk_size", [8, 16, 64])
 def test_native_prefill_chunk_boundaries(chunk_size, reference_calls) -> None:
     """The C++ prefill at other chunk sizes: prompts of C-1, C, C+1 and 2C+3 tokens (no
@@ -205,8 +224,9 @@ def test_native_prefill_chunk_boundaries(chunk_size, reference_calls) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_prefill_strided_views_odd_dims(dtype, reference_calls) -> None:
     """q/k/v as the model passes them (views of the conv output with one row stride), with head
-    dims that leave partial register tiles (Dk 40: 6-row blocks + 4; Dv 24: 16 + 8 columns) and
-    Hv = 3 Hk; against the reference backend on the same step, in fp32 and bf16."""
+    dims that leave partial register tiles (Dk 40: 6-row blocks + 4 with 8-lane tiles; Dv 24:
+    16 + 8 columns, the 8 in an 8-lane tile with 16-lane ones too) and Hv = 3 Hk; against the
+    reference backend on the same step, in fp32 and bf16."""
     hk, hv, dk, dv, lens = 1, 3, 40, 24, [37, 1, 5, 70]
     gen = torch.Generator().manual_seed(10)
     mixed = torch.randn(sum(lens), 2 * hk * dk + hv * dv, generator=gen).to(dtype)

@@ -88,6 +88,8 @@ class NativeGDN:
         self._chunk = lib.gdn_chunk
         self._chunk.argtypes = [ctypes.POINTER(_ChunkArgs), ctypes.c_int, ctypes.c_int]
         self._chunk.restype = ctypes.c_int
+        lib.gdn_chunk_size.restype = ctypes.c_int64
+        self.preferred_chunk_size = int(lib.gdn_chunk_size())  # 16 with AVX512, else 32
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
@@ -240,7 +242,9 @@ class FusedRecurrentBackend(RecurrentBackend):
 
     name = "fused"
     chunk_size = 32  # the reference's layout (the fallback): measured best on CPU
-    native_chunk_size = 32  # the C++ prefill's chunks (docs/benchmarks.md)
+    # The C++ prefill's chunks: None takes the build's own (NativeGDN.preferred_chunk_size:
+    # 16 with AVX512, 32 otherwise; docs/benchmarks.md); tests and benchmarks set one.
+    native_chunk_size: int | None = None
 
     def causal_conv1d(
         self,
@@ -276,7 +280,8 @@ class FusedRecurrentBackend(RecurrentBackend):
             _decode(ops, (q, k, v, g, beta), ssm_state, meta, out)
         if meta.num_prefills:
             assert ops is not None
-            ops.chunk_prefill(q, k, v, g, beta, ssm_state, meta, out, self.native_chunk_size)
+            ops.chunk_prefill(q, k, v, g, beta, ssm_state, meta, out,
+                              self.native_chunk_size or ops.preferred_chunk_size)
         return out
 
     def gated_rms_norm(
