@@ -1,7 +1,7 @@
 """The fused elementwise kernels (native/csrc/elementwise.cpp) against the layers' PyTorch
 reference: RMSNorm with and without the residual add (plain and zero-centred), SiLU-and-mul,
-rotary and per-token int8 quantization, in fp32 and bf16, at odd sizes and on strided views as the
-model hands them over."""
+rotary and per-token int8 quantization (and the W8A8 MLP's fused middle against those kernels in
+turn), in fp32 and bf16, at odd sizes and on strided views as the model hands them over."""
 
 from __future__ import annotations
 
@@ -77,6 +77,23 @@ def test_silu_and_mul_matches_the_reference(dtype, rows, inter):
     _assert_close(silu_and_mul(x, KERNELS), silu_and_mul(x.clone()))
     strided = torch.randn(rows, 2 * inter + 5, generator=gen).to(dtype)[:, 3 : 3 + 2 * inter]
     _assert_close(silu_and_mul(strided, KERNELS), silu_and_mul(strided.clone()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 3), (7, 45), (64, 608), (33, 1000)])
+def test_silu_mul_quantize_is_the_three_kernels_in_turn(dtype, rows, inter):
+    """The W8A8 MLP's middle in one pass gives the very integers and scales of scale_rows,
+    silu_and_mul and quantize_per_token run one after the other (what the plain path does)."""
+    gen = torch.Generator().manual_seed(rows + inter)
+    acc = torch.randn(rows, 2 * inter, generator=gen) * 300
+    acc[0, 0], acc[-1, inter] = -3e4, 2e4  # a gate past exp's range, a large up
+    acc[rows // 2] = 0.0  # a row of zeros: the scale's floor
+    row_scale = torch.rand(rows, 1, generator=gen) * 0.05
+    y = KERNELS.silu_and_mul(KERNELS.scale_rows(acc.clone(), row_scale, dtype))
+    want_q, want_scale = KERNELS.quantize_per_token(y)
+    got_q, got_scale = KERNELS.silu_mul_quantize(acc, row_scale, dtype)
+    assert got_q.dtype == torch.int8 and got_q.shape == (rows, inter)
+    assert torch.equal(got_q, want_q) and torch.equal(got_scale, want_scale)
 
 
 def test_silu_propagates_nan_and_inf():

@@ -181,8 +181,11 @@ class RowParallelLinear(LinearBase):
                          quant_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, None)
-        y = self.tp.all_reduce(y)
+        return self.reduce(self.quant_method.apply(self, x, None))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's partial product: all-reduced, then the bias."""
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,

@@ -36,6 +36,7 @@ from qwenserve.models.base import (
     load_named_weights,
     split_module_weights,
 )
+from qwenserve.quantization.methods import int8_mlp
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -111,6 +112,9 @@ class MLP(nn.Module):
         return out
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        fused = int8_mlp(self.gate_up_proj, self.down_proj, x)  # W8A8 only
+        if fused is not None:
+            return fused
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 

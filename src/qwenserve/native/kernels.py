@@ -234,6 +234,7 @@ class Elementwise:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._norm, self._act, self._rot, self._quant, self._scale = {}, {}, {}, {}, {}
+        self._act_quant = {}
         for dtype, tag in self.DTYPES.items():
             fn = getattr(lib, f"rms_norm_{tag}")
             fn.argtypes = [_P] * 5 + [_I] * 7 + [_F, ctypes.c_int]
@@ -255,6 +256,10 @@ class Elementwise:
             fn.argtypes = [_P, _P, _P, _I, _I]
             fn.restype = None
             self._scale[dtype] = fn
+            fn = getattr(lib, f"silu_mul_quantize_{tag}")
+            fn.argtypes = [_P, _P, _P, _P, _I, _I]
+            fn.restype = None
+            self._act_quant[dtype] = fn
 
     def supports(self, x: torch.Tensor) -> bool:
         # called per layer and op: is_cpu, not x.device (which builds a device object)
@@ -318,6 +323,24 @@ class Elementwise:
         scale = torch.empty(rows, 1)
         self._quant[x.dtype](x_q.data_ptr(), scale.data_ptr(), x.data_ptr(), rows, k,
                              x.stride(0))
+        return x_q, scale
+
+    def silu_mul_quantize(self, acc: torch.Tensor, row_scale: torch.Tensor,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``quantize_per_token(silu_and_mul(scale_rows(acc, row_scale, dtype)))`` in one pass,
+        to the same integers and scales: acc [M, 2I] float32 contiguous (the gate_up GEMM with
+        its channel scales), row_scale [M, 1] -> (x_q [M, I] int8, scale [M, 1] float32); None
+        for tensors the kernel does not take."""
+        if (acc.dtype != torch.float32 or acc.dim() != 2 or not acc.is_contiguous()
+                or acc.shape[1] % 2 or dtype not in self._act_quant):
+            return None
+        rows, inter = acc.shape[0], acc.shape[1] // 2
+        row_scale = row_scale.float().contiguous()
+        assert row_scale.numel() == rows
+        x_q = torch.empty(rows, inter, dtype=torch.int8)
+        scale = torch.empty(rows, 1)
+        self._act_quant[dtype](x_q.data_ptr(), scale.data_ptr(), acc.data_ptr(),
+                               row_scale.data_ptr(), rows, inter)
         return x_q, scale
 
     def scale_rows(self, acc: torch.Tensor, row_scale: torch.Tensor,

@@ -80,6 +80,9 @@ class RowQuantizer(Protocol):
     def scale_rows(self, acc: torch.Tensor, row_scale: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor: ...
 
+    def silu_mul_quantize(self, acc: torch.Tensor, row_scale: torch.Tensor,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
 
 class Int8Matmul:
     """The int8 GEMM of one platform, with the dequantizing fallback, and the per-token
@@ -104,20 +107,39 @@ class Int8Matmul:
             return self.quantizer.quantize_per_token(x)
         return quantize_per_token(x)
 
+    def _skinny_takes(self, a_q: torch.Tensor, w_q: torch.Tensor) -> bool:
+        return (self.skinny is not None and a_q.shape[0] <= self.skinny_rows
+                and self.skinny.supports(a_q, w_q))
+
+    def _quantizer_scales(self, rows: int) -> bool:
+        return self.platform is not None and self.quantizer is not None and rows > 1
+
+    def scales_apart(self, rows: int) -> bool:
+        """Whether ``__call__`` runs this many rows as the platform's GEMM with the channel
+        scales (``accumulate``) and then the quantizer's per-token pass: the form a caller may
+        fuse the per-token pass into its next kernel from."""
+        skinny_may_take = self.skinny is not None and rows <= self.skinny_rows
+        return self._quantizer_scales(rows) and not skinny_may_take
+
+    def accumulate(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                   int_bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``(a_q @ w_q.T + int_bias) * scale`` in float32 through the platform's GEMM (the
+        per-token scale not yet applied), or None where the platform has no int8 GEMM."""
+        assert self.platform is not None
+        return self.platform.int8_scaled_mm(a_q, w_q, scale, None, int_bias, torch.float32)
+
     def __call__(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                  token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
         """a_q [M, K] int8, w_q [N, K] int8, scale [N], token_scale [M, 1] -> [M, N]."""
         out = None
-        if (self.skinny is not None and a_q.shape[0] <= self.skinny_rows
-                and self.skinny.supports(a_q, w_q)):
+        if self._skinny_takes(a_q, w_q):
             from qwenserve.platforms.base import int32_epilogue
 
             out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias, out_dtype)
-        elif (self.platform is not None and self.quantizer is not None
-              and token_scale is not None and a_q.shape[0] > 1):
+        elif token_scale is not None and self._quantizer_scales(a_q.shape[0]):
             # the platform scales per channel, the quantizer per token and casts: one pass
-            acc = self.platform.int8_scaled_mm(a_q, w_q, scale, None, int_bias, torch.float32)
+            acc = self.accumulate(a_q, w_q, scale, int_bias)
             if acc is not None:
                 out = self.quantizer.scale_rows(acc, token_scale, out_dtype)
         elif self.platform is not None:

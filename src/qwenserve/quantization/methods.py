@@ -90,6 +90,32 @@ class Int8LinearMethod:
             layer.register_parameter(self.zero_point, None)  # checked; not needed any more
 
 
+def int8_mlp(gate_up: MergedColumnParallelLinear, down: RowParallelLinear,
+             x: torch.Tensor) -> torch.Tensor | None:
+    """``down(silu_and_mul(gate_up(x)))`` of a W8A8 (dynamic) MLP with its middle fused: the
+    gate_up GEMM's float32 result goes through its per-token scale, SiLU-and-mul and the down
+    projection's per-token quantization in one pass (``RowQuantizer.silu_mul_quantize``), where
+    the plain path writes and reads two tensors and makes three calls. The same integers and
+    scales reach the down GEMM. None where this does not apply (other methods, a gate_up bias,
+    rows that the plain path computes another way, no native kernel): the caller runs the
+    plain path."""
+    up_method, down_method = gate_up.quant_method, down.quant_method
+    if not (isinstance(up_method, Int8LinearMethod) and isinstance(down_method, Int8LinearMethod)
+            and gate_up.bias is None and x.dim() == 2):
+        return None
+    matmul = up_method.matmul
+    if not (matmul.scales_apart(x.shape[0]) and matmul.quantizer.supports(x)):
+        return None
+    x_q, token_scale = matmul.quantize(x)
+    acc = matmul.accumulate(x_q, gate_up.weight, gate_up.weight_scale.view(-1), None)
+    rows = None if acc is None else matmul.quantizer.silu_mul_quantize(acc, token_scale, x.dtype)
+    if rows is None:
+        return None
+    y_q, y_scale = rows
+    y = down_method.matmul(y_q, down.weight, down.weight_scale.view(-1), y_scale, None, x.dtype)
+    return down.reduce(y)
+
+
 def _load_int8(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
                shard_id: Any = None) -> None:
     """An int8 weight must arrive as int8: a float one means the quantization config and the

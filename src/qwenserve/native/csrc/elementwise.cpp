@@ -9,6 +9,7 @@
 //   rotary        NeoX rotary embedding of q and k in place, cos/sin looked up per token
 //   quantize_rows dynamic symmetric int8 per row (W8A8 activations): scale = absmax / 127
 //   scale_rows    an fp32 GEMM result times one scale per row (the W8A8 token scale), cast
+//   silu_mul_quantize  the W8A8 MLP's scale_rows + silu_and_mul + quantize_rows in one pass
 //
 // Each reproduces the reference's roundings: bf16 values are widened to fp32, and rounded back
 // to bf16 (nearest even, as torch) wherever the reference produces a bf16 tensor. fp32 results
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec_math.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -139,65 +141,63 @@ void rms_norm(T* out, T* res_out, const T* x, const T* res, const T* w, int64_t 
 // With AVX512, 16 lanes of intrinsics (vec_math.h's silu16); elsewhere the portable loops, which
 // GCC vectorises into 8 lanes with exp_approx ([512, 9728] bf16, 2 threads, AMX Xeon: 0.81 ms
 // with those, where a copy of the same bytes takes 0.19 ms).
-void silu_and_mul(float* out, const float* x, int64_t rows, int64_t inter, int64_t x_stride) {
-#pragma omp parallel for schedule(static) if (rows * inter >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = x + r * x_stride;
-    const float* up = gate + inter;
-    float* o = out + r * inter;
+inline void silu_mul_row(float* o, const float* gate, const float* up, int64_t inter) {
 #if defined(__AVX512F__)
-    for (int64_t k = 0; k < inter; k += 16) {
-      const __mmask16 m = inter - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (inter - k)) - 1);
-      const __m512 silu = silu16(_mm512_maskz_loadu_ps(m, gate + k));
-      _mm512_mask_storeu_ps(o + k, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + k)));
-    }
+  for (int64_t k = 0; k < inter; k += 16) {
+    const __mmask16 m =
+        inter - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (inter - k)) - 1);
+    const __m512 silu = silu16(_mm512_maskz_loadu_ps(m, gate + k));
+    _mm512_mask_storeu_ps(o + k, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + k)));
+  }
 #else
 #pragma omp simd
-    for (int64_t k = 0; k < inter; ++k) o[k] = gate[k] / (1.f + exp_approx(-gate[k])) * up[k];
+  for (int64_t k = 0; k < inter; ++k) o[k] = gate[k] / (1.f + exp_approx(-gate[k])) * up[k];
 #endif
-  }
 }
 
 // bf16: silu(gate) is rounded to bf16 (a bf16 tensor in the reference), the product rounded
 // once. With AVX512-BF16 the roundings and conversions are single instructions (see
 // rms_norm_row above); without, the vectoriser widens and narrows 16-bit lanes poorly, so each
 // row is widened into fp32 buffers in chunks and computed there.
-void silu_and_mul(uint16_t* out, const uint16_t* x, int64_t rows, int64_t inter,
-                  int64_t x_stride) {
+inline void silu_mul_row(uint16_t* o, const uint16_t* gate, const uint16_t* up, int64_t inter) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  for (int64_t k = 0; k < inter; k += 16) {
+    const __mmask16 m = tail_mask(inter - k);
+    const __m512 silu = bf16_round(silu16(load_bf16(gate + k, m)));
+    store_bf16(o + k, to_bf16(_mm512_mul_ps(silu, load_bf16(up + k, m))), m);
+  }
+#else
+  constexpr int64_t CHUNK = 512;
+  alignas(64) uint32_t g[CHUNK], u[CHUNK];
+  for (int64_t k0 = 0; k0 < inter; k0 += CHUNK) {
+    const int64_t n = inter - k0 < CHUNK ? inter - k0 : CHUNK;
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) {
+      g[k] = static_cast<uint32_t>(gate[k0 + k]) << 16;
+      u[k] = static_cast<uint32_t>(up[k0 + k]) << 16;
+    }
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) {
+      float gf, uf;
+      std::memcpy(&gf, &g[k], sizeof gf);
+      std::memcpy(&uf, &u[k], sizeof uf);
+      const float prod = round_bf16(gf / (1.f + exp_approx(-gf))) * uf;  // silu(gate) in bf16
+      const float y = round_bf16(prod);
+      std::memcpy(&g[k], &y, sizeof y);
+    }
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) o[k0 + k] = static_cast<uint16_t>(g[k] >> 16);
+  }
+#endif
+}
+
+// Rows of [gate | up] (x_stride apart) -> rows of silu(gate) * up.
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter, int64_t x_stride) {
 #pragma omp parallel for schedule(static) if (rows * inter >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* gate = x + r * x_stride;
-    const uint16_t* up = gate + inter;
-    uint16_t* o = out + r * inter;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    for (int64_t k = 0; k < inter; k += 16) {
-      const __mmask16 m = tail_mask(inter - k);
-      const __m512 silu = bf16_round(silu16(load_bf16(gate + k, m)));
-      store_bf16(o + k, to_bf16(_mm512_mul_ps(silu, load_bf16(up + k, m))), m);
-    }
-#else
-    constexpr int64_t CHUNK = 512;
-    alignas(64) uint32_t g[CHUNK], u[CHUNK];
-    for (int64_t k0 = 0; k0 < inter; k0 += CHUNK) {
-      const int64_t n = inter - k0 < CHUNK ? inter - k0 : CHUNK;
-#pragma omp simd
-      for (int64_t k = 0; k < n; ++k) {
-        g[k] = static_cast<uint32_t>(gate[k0 + k]) << 16;
-        u[k] = static_cast<uint32_t>(up[k0 + k]) << 16;
-      }
-#pragma omp simd
-      for (int64_t k = 0; k < n; ++k) {
-        float gf, uf;
-        std::memcpy(&gf, &g[k], sizeof gf);
-        std::memcpy(&uf, &u[k], sizeof uf);
-        const float prod = round_bf16(gf / (1.f + exp_approx(-gf))) * uf;  // silu(gate) in bf16
-        const float y = round_bf16(prod);
-        std::memcpy(&g[k], &y, sizeof y);
-      }
-#pragma omp simd
-      for (int64_t k = 0; k < n; ++k) o[k0 + k] = static_cast<uint16_t>(g[k] >> 16);
-    }
-#endif
+    const T* gate = x + r * x_stride;
+    silu_mul_row(out + r * inter, gate, gate + inter, inter);
   }
 }
 
@@ -244,46 +244,70 @@ int rotary(T* q, T* k, const int64_t* positions, const float* cos, const float* 
 
 // ---- int8 per row ---------------------------------------------------------------------------
 // As quantization/kernels.py's quantize_per_token, to the same integers and scales: scale =
-// max(absmax, 1e-10) / 127 and q = round-half-even(clamp(x * (1 / scale), -128, 127)) in fp32. One pass to find the row's absmax, one to write it; the reference runs about
-// ten torch ops per call (each a pass, and a thread wake-up), which cost more than the int8
-// GEMM's saving at decode sizes.
+// max(absmax, 1e-10) / 127 and q = round-half-even(clamp(x * (1 / scale), -128, 127)) in fp32.
+// One pass to find the row's absmax, one to write it; the reference runs about ten torch ops
+// per call (each a pass, and a thread wake-up), which cost more than the int8 GEMM's saving at
+// decode sizes.
 template <typename T>
-void quantize_rows(int8_t* q, float* scale, const T* x, int64_t rows, int64_t k,
-                   int64_t x_stride) {
+void quantize_row(int8_t* qr, float* scale, const T* xr, int64_t k) {
   constexpr float kRounder = 1.5f * 8388608.0f;  // v + R - R rounds half to even for |v| < 2^22
-#pragma omp parallel for schedule(static) if (rows * k >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * x_stride;
-    float amax = 0.f;
+  float amax = 0.f;
 #pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < k; ++i) {
-      const float a = std::fabs(to_float(xr[i]));
-      amax = a > amax ? a : amax;
-    }
-    const float s = (amax > 1e-10f ? amax : 1e-10f) / 127.0f;
-    scale[r] = s;
-    const float inv = 1.0f / s;
-    int8_t* qr = q + r * k;
+  for (int64_t i = 0; i < k; ++i) {
+    const float a = std::fabs(to_float(xr[i]));
+    amax = a > amax ? a : amax;
+  }
+  const float s = (amax > 1e-10f ? amax : 1e-10f) / 127.0f;
+  *scale = s;
+  const float inv = 1.0f / s;
 #pragma omp simd
-    for (int64_t i = 0; i < k; ++i) {
-      float v = to_float(xr[i]) * inv;
-      v = v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v);
-      qr[i] = static_cast<int8_t>(static_cast<int32_t>((v + kRounder) - kRounder));
-    }
+  for (int64_t i = 0; i < k; ++i) {
+    float v = to_float(xr[i]) * inv;
+    v = v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v);
+    qr[i] = static_cast<int8_t>(static_cast<int32_t>((v + kRounder) - kRounder));
   }
 }
 
-// out[r, :] = acc[r, :] * row_scale[r], rounded to T: the per-token half of the W8A8 epilogue
-// in one pass (torch: a multiply and a cast, two passes and two thread wake-ups).
+template <typename T>
+void quantize_rows(int8_t* q, float* scale, const T* x, int64_t rows, int64_t k,
+                   int64_t x_stride) {
+#pragma omp parallel for schedule(static) if (rows * k >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) quantize_row(q + r * k, scale + r, x + r * x_stride, k);
+}
+
+// o[:] = a[:] * s, rounded to T: the per-token half of the W8A8 epilogue in one pass (torch: a
+// multiply and a cast, two passes and two thread wake-ups).
+template <typename T>
+inline void scale_row(T* o, const float* a, float s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) store(o + i, a[i] * s);
+}
+
 template <typename T>
 void scale_rows(T* out, const float* acc, const float* row_scale, int64_t rows, int64_t n) {
 #pragma omp parallel for schedule(static) if (rows * n >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float s = row_scale[r];
-    const float* a = acc + r * n;
-    T* o = out + r * n;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) store(o + i, a[i] * s);
+  for (int64_t r = 0; r < rows; ++r) scale_row(out + r * n, acc + r * n, row_scale[r], n);
+}
+
+// The W8A8 MLP's middle, row by row with the row in cache: the gate_up GEMM's fp32 result
+// acc [rows, 2I] (channel scales applied) times the row's token scale, rounded to T (scale_row),
+// silu(gate) * up (silu_mul_row), quantized for the down projection (quantize_row): the same
+// functions as the three separate kernels, so the same integers and scales, without the two
+// T tensors between them going through memory and three calls instead of one.
+template <typename T>
+void silu_mul_quantize(int8_t* q, float* scale, const float* acc, const float* row_scale,
+                       int64_t rows, int64_t inter) {
+#pragma omp parallel if (rows * inter >= kParallelMin)
+  {
+    static thread_local std::vector<T> gate_up, y;  // one row each, reused across calls
+    gate_up.resize(2 * inter);
+    y.resize(inter);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      scale_row(gate_up.data(), acc + r * 2 * inter, row_scale[r], 2 * inter);
+      silu_mul_row(y.data(), gate_up.data(), gate_up.data() + inter, inter);
+      quantize_row(q + r * inter, scale + r, y.data(), inter);
+    }
   }
 }
 
@@ -337,6 +361,14 @@ void quantize_rows_bf16(int8_t* q, float* scale, const uint16_t* x, int64_t rows
   quantize_rows(q, scale, x, rows, k, x_stride);
 }
 
+void silu_mul_quantize_f32(int8_t* q, float* scale, const float* acc, const float* row_scale,
+                           int64_t rows, int64_t inter) {
+  silu_mul_quantize<float>(q, scale, acc, row_scale, rows, inter);
+}
+void silu_mul_quantize_bf16(int8_t* q, float* scale, const float* acc, const float* row_scale,
+                            int64_t rows, int64_t inter) {
+  silu_mul_quantize<uint16_t>(q, scale, acc, row_scale, rows, inter);
+}
 void scale_rows_f32(float* out, const float* acc, const float* row_scale, int64_t rows,
                     int64_t n) {
   scale_rows(out, acc, row_scale, rows, n);
