@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -10,3 +11,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_port_block(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports (a tensor-parallel engine serves
+    on port + rank), taken below Linux's ephemeral range (32768-60999), where the kernel hands
+    out the ports of outgoing connections: a block there can lose its second port to one of
+    them (gloo's, ZeroMQ's) between this check and the bind."""
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - count)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports in 20000-32000")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from oai_server import RemoteServer, free_port
+from oai_server import RemoteServer
 from pd_helpers import kv_config, serve_args
 
+from helpers.ports import free_port_block
 from qwenserve import LLM, SamplingParams
 from qwenserve.kv_transfer.params import parse_kv_transfer_params
 
@@ -29,12 +30,12 @@ def one_thread(monkeypatch):
 
 @pytest.mark.benchmark  # ~70 s on a loaded 2-core VM; test_pd_tp_mismatch.py covers TP P/D
 def test_tp2_producer_to_tp2_consumer(pd_model, tmp_path, one_thread):
-    consumer = RemoteServer(serve_args(pd_model, "kv_consumer", free_port(), "d", tp=2),
+    consumer = RemoteServer(serve_args(pd_model, "kv_consumer", free_port_block(2), "d", tp=2),
                             tmp_path / "consumer.log", env={"OMP_NUM_THREADS": "1"})
     try:
         producer = LLM(pd_model, dtype="float32", max_model_len=256, tensor_parallel_size=2,
                        kv_cache_memory_bytes=16 << 20,
-                       kv_transfer_config=kv_config("kv_producer", free_port(), "p", tp=2))
+                       kv_transfer_config=kv_config("kv_producer", free_port_block(2), "p", tp=2))
         hold = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=
                               parse_kv_transfer_params({"do_remote_decode": True}))
         kv = producer.generate([{"prompt_token_ids": PROMPT}], hold)[0].kv_transfer_params

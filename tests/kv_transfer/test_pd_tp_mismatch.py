@@ -8,9 +8,9 @@ from __future__ import annotations
 import gc
 
 import pytest
-from oai_server import free_port
 from pd_helpers import kv_config
 
+from helpers.ports import free_port_block
 from qwenserve import LLM, SamplingParams
 
 PROMPT = [7, 300, 12, 45, 99, 100, 5, 17, 23, 8, 64, 77, 300, 12, 7, 3, 150, 151, 9, 31, 2, 6]
@@ -29,8 +29,9 @@ def one_thread(monkeypatch):
 
 
 def _llm(model: str, role: str, tp: int) -> LLM:
+    config = kv_config(role, free_port_block(tp), role, tp)  # rank r serves on port + r
     return LLM(model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20,
-               tensor_parallel_size=tp, kv_transfer_config=kv_config(role, free_port(), role, tp))
+               tensor_parallel_size=tp, kv_transfer_config=config)
 
 
 def _transfer(producer: LLM, consumer: LLM) -> list[int]:
