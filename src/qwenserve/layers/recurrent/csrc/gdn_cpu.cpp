@@ -120,6 +120,18 @@ inline void store16(uint16_t* p, __m512 v, __mmask16 m) {  // as BF16::store, 16
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
+// The value a T tensor holds for each of 16 floats (F32: itself; BF16: BF16::round's bits).
+inline __m512 round16(__m512 v, F32) { return v; }
+inline __m512 round16(__m512 v, BF16) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                               _mm512_set1_epi32(int32_t(0xffff0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                            _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(r);
+}
+
 #if defined(__AVX512BF16__)
 inline void store16_bf16(uint16_t* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
@@ -253,6 +265,30 @@ void conv(typename DT::T* out, const typename DT::T* x, int64_t x_stride, const 
 }
 
 // ---- gated RMSNorm ---------------------------------------------------------------------------
+#if defined(__AVX512F__)
+// One row in 16 lanes: the sum of squares, then T(T(w * T(x_hat)) * silu16(gate)) (the generic
+// loop below widens the row into buffers and rounds lane by lane: 3 ms a call for 2,048 tokens
+// x 16 heads of 128).
+template <typename DT>
+void gated_norm_row16(typename DT::T* o, const typename DT::T* xr, const typename DT::T* gr,
+                      const typename DT::T* w, int64_t h, float eps) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t c = 0; c < h; c += 16) {
+    const __mmask16 m = h - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (h - c)) - 1);
+    const __m512 v = load16(xr + c, m);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  const __m512 inv = _mm512_set1_ps(
+      1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(h) + eps));
+  for (int64_t c = 0; c < h; c += 16) {
+    const __mmask16 m = h - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (h - c)) - 1);
+    const __m512 xn = round16(_mm512_mul_ps(load16(xr + c, m), inv), DT{});
+    const __m512 y = round16(_mm512_mul_ps(load16(w + c, m), xn), DT{});
+    store16(o + c, _mm512_mul_ps(y, silu16(load16(gr + c, m))), m);
+  }
+}
+#endif
+
 // out = T(T(w * T(x_hat)) * silu(gate)) per row of h (HF's Qwen3_5RMSNormGated, roundings as
 // gated_norm.py's reference: the normalised row and its product with w are T tensors, the gate
 // is applied in f32). Row (i, j) of x starts at x + i * x_so + j * x_si, of gate likewise (the
@@ -269,6 +305,10 @@ void gated_rms_norm(typename DT::T* out, const typename DT::T* x, const typename
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r / n_inner, j = r % n_inner;
       const typename DT::T *xr = x + i * x_so + j * x_si, *gr = gate + i * g_so + j * g_si;
+#if defined(__AVX512F__)
+      gated_norm_row16<DT>(out + r * h, xr, gr, w, h, eps);
+      continue;
+#endif
       float ss = 0.0f;
       for (int64_t c = 0; c < h; ++c) {
         bx[c] = DT::load(xr[c]);
