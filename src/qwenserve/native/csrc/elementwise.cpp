@@ -71,23 +71,8 @@ void rms_norm_row(T* out, T* res_out, const T* x, const T* res, const T* w, int6
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// bf16 rows with AVX512-BF16's conversions: vcvtneps2bf16 rounds 16 floats to bf16 (nearest
-// even, NaN kept NaN) in one instruction, where the portable round_bf16 takes about ten integer
-// operations per vector and made the template instruction-bound ([2048, 896] with the residual
-// add: 920 us, 1 thread). Same values and roundings, but for fp32 subnormals, which the
-// instruction flushes to zero (|x| < 1.2e-38: not a value a hidden state holds).
-inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
-}
-inline __m256bh to_bf16(__m512 v) { return _mm512_cvtneps_pbh(v); }
-inline __m512 bf16_round(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
-inline void store_bf16(uint16_t* p, __m256bh v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)v);
-}
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-}
-
+// bf16 rows with AVX512-BF16's conversions (vec_math.h's to_bf16 / bf16_round): one instruction
+// where the portable round_bf16 takes about ten integer operations per vector.
 void rms_norm_row(uint16_t* out, uint16_t* res_out, const uint16_t* x, const uint16_t* res,
                   const uint16_t* w, int64_t h, float eps, bool zero_centred, float* buf) {
   __m512 ss = _mm512_setzero_ps();
@@ -144,8 +129,7 @@ void rms_norm(T* out, T* res_out, const T* x, const T* res, const T* w, int64_t 
 inline void silu_mul_row(float* o, const float* gate, const float* up, int64_t inter) {
 #if defined(__AVX512F__)
   for (int64_t k = 0; k < inter; k += 16) {
-    const __mmask16 m =
-        inter - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (inter - k)) - 1);
+    const __mmask16 m = tail_mask(inter - k);
     const __m512 silu = silu16(_mm512_maskz_loadu_ps(m, gate + k));
     _mm512_mask_storeu_ps(o + k, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + k)));
   }

@@ -142,7 +142,7 @@ inline float max16(const float* x, int64_t n) {
   for (; i + 64 <= n; i += 64)
     for (int j = 0; j < 4; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(x + i + 16 * j));
   for (; i < n; i += 16) {
-    const __mmask16 valid = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 valid = tail_mask(n - i);
     m[0] = _mm512_mask_max_ps(m[0], valid, m[0], _mm512_maskz_loadu_ps(valid, x + i));
   }
   return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
@@ -274,7 +274,7 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
       const __m512 mx = _mm512_set1_ps(max16(sr, n)), vscale = _mm512_set1_ps(scale);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 valid = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        const __mmask16 valid = tail_mask(n - i);
         const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + i), mx),
                                        vscale);
         const __m512 p = _mm512_maskz_mov_ps(valid, exp16(x));

@@ -86,6 +86,31 @@ inline float max_of(const float* x, int64_t n) {
 }
 
 #if defined(__AVX512F__)
+// The first `left` of 16 lanes (none for left <= 0): the mask of a row's tail.
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0);
+}
+
+// 16 bf16 values (stored as their bits) widened to fp32: exact, a shift of each into the high
+// half (what _mm512_cvtpbh_ps compiles to, without needing AVX512-BF16).
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+#if defined(__AVX512BF16__)
+// fp32 to bf16 with AVX512-BF16's conversion: vcvtneps2bf16 rounds 16 floats to bf16 (nearest
+// even, NaN kept NaN) in one instruction, where the portable round_bf16 takes about ten integer
+// operations per vector (it made elementwise.cpp's RMSNorm instruction-bound: [2048, 896] with
+// the residual add, 920 us, 1 thread). Same values and roundings, but for fp32 subnormals,
+// which the instruction flushes to zero (|x| < 1.2e-38: not a value a hidden state holds).
+inline __m256bh to_bf16(__m512 v) { return _mm512_cvtneps_pbh(v); }
+inline __m512 bf16_round(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+inline void store_bf16(uint16_t* p, __m256bh v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)v);
+}
+#endif
+
 // e^x in 16 lanes, ~1 ulp (Cephes' expf polynomial on x - n ln2, scaled by 2^n with vscalefps,
 // which gives inf past the float range and needs no exponent-bit arithmetic); x is clamped to
 // [-87.3, 89] first, so it is ~1e-38 where expf underflows to 0 and inf where it overflows; NaN

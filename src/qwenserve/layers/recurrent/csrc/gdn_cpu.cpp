@@ -106,20 +106,6 @@ inline void silu_inplace(float* x, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// 16 channels of one T row as f32 / back (masked: the tail of a block).
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(uint16_t* p, __m512 v, __mmask16 m) {  // as BF16::store, 16 at a time
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
 // The value a T tensor holds for each of 16 floats (F32: itself; BF16: BF16::round's bits).
 inline __m512 round16(__m512 v, F32) { return v; }
 inline __m512 round16(__m512 v, BF16) {
@@ -132,11 +118,19 @@ inline __m512 round16(__m512 v, BF16) {
   return _mm512_castsi512_ps(r);
 }
 
+// 16 channels of one T row as f32 / back (masked: the tail of a block). The bf16 store rounds
+// as BF16::store; with AVX512-BF16 it is vec_math.h's one-instruction conversion instead.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) { return load_bf16(p, m); }
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
 #if defined(__AVX512BF16__)
-inline void store16_bf16(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
+  store_bf16(p, to_bf16(v), m);
+#else
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(v, BF16{})), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
 #endif
+}
 
 // The K = 4 conv of one request's n tokens over nc channels, 32 channels (two vectors) at a
 // time: each pass keeps its four taps' weights and the last three inputs in registers, reads
@@ -155,7 +149,7 @@ void conv4_block(typename DT::T* out, const typename DT::T* x, int64_t x_stride,
     __m512 w[4][2], win[3][2], b[2];
     for (int v = 0; v < 2; ++v) {
       const int64_t left = nc - c - 16 * v;
-      m[v] = left >= 16 ? __mmask16(0xffff) : left > 0 ? __mmask16((1u << left) - 1) : 0;
+      m[v] = tail_mask(left);
       const int64_t cv = c + 16 * v;
       for (int j = 0; j < 4; ++j) w[j][v] = load16(weight_t + j * ldw + cv, m[v]);
       for (int j = 0; j < 3; ++j) win[j][v] = load16(past + j * ldp + cv, m[v]);
@@ -176,12 +170,6 @@ void conv4_block(typename DT::T* out, const typename DT::T* x, int64_t x_stride,
         a = _mm512_fmadd_ps(w[3][v], xt, a);
         win[0][v] = win[1][v], win[1][v] = win[2][v], win[2][v] = xt;
         if (silu) a = silu16(a);
-#if defined(__AVX512BF16__)
-        if constexpr (sizeof(typename DT::T) == 2) {
-          store16_bf16(yr + 16 * v, a, m[v]);
-          continue;
-        }
-#endif
         store16(yr + 16 * v, a, m[v]);
       }
     }
@@ -274,14 +262,14 @@ void gated_norm_row16(typename DT::T* o, const typename DT::T* xr, const typenam
                       const typename DT::T* w, int64_t h, float eps) {
   __m512 sq = _mm512_setzero_ps();
   for (int64_t c = 0; c < h; c += 16) {
-    const __mmask16 m = h - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (h - c)) - 1);
+    const __mmask16 m = tail_mask(h - c);
     const __m512 v = load16(xr + c, m);
     sq = _mm512_fmadd_ps(v, v, sq);
   }
   const __m512 inv = _mm512_set1_ps(
       1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(h) + eps));
   for (int64_t c = 0; c < h; c += 16) {
-    const __mmask16 m = h - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (h - c)) - 1);
+    const __mmask16 m = tail_mask(h - c);
     const __m512 xn = round16(_mm512_mul_ps(load16(xr + c, m), inv), DT{});
     const __m512 y = round16(_mm512_mul_ps(load16(w + c, m), xn), DT{});
     store16(o + c, _mm512_mul_ps(y, silu16(load16(gr + c, m))), m);
