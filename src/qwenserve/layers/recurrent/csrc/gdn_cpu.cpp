@@ -288,15 +288,16 @@ void gated_rms_norm(typename DT::T* out, const typename DT::T* x, const typename
   const int64_t rows = n_outer * n_inner;
 #pragma omp parallel if (rows * h >= (int64_t{1} << 17))
   {
+#if !defined(__AVX512F__)
     std::vector<float> bx(h), bg(h);
+#endif
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r / n_inner, j = r % n_inner;
       const typename DT::T *xr = x + i * x_so + j * x_si, *gr = gate + i * g_so + j * g_si;
 #if defined(__AVX512F__)
       gated_norm_row16<DT>(out + r * h, xr, gr, w, h, eps);
-      continue;
-#endif
+#else
       float ss = 0.0f;
       for (int64_t c = 0; c < h; ++c) {
         bx[c] = DT::load(xr[c]);
@@ -312,6 +313,7 @@ void gated_rms_norm(typename DT::T* out, const typename DT::T* x, const typename
       silu_inplace(bg.data(), h);
       typename DT::T* o = out + r * h;
       for (int64_t c = 0; c < h; ++c) o[c] = DT::store(bx[c] * bg[c]);
+#endif
     }
   }
 }
