@@ -147,6 +147,22 @@ def test_conv_varlen_continuations(backend, dtype, with_bias) -> None:
         torch.testing.assert_close(state[slot], seqs[i][-(K - 1) :])  # raw inputs, exactly
 
 
+def test_conv_follows_an_in_place_write_of_its_weight() -> None:
+    """The C++ conv reads a float32 [K, D] copy of the weight made at first use: a weight
+    written in place (a reload, LoRA-style edits) is converted again, not read stale."""
+    if fused_module.native_ops() is None:
+        pytest.skip("no C++ toolchain here")
+    fast = get_recurrent_backend("fused")
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 40, generator=gen)
+    weight = torch.randn(40, K, generator=gen)
+    meta = fast.build_metadata([0, 5], [0], [False], "cpu")
+    for _ in range(2):
+        y = fast.causal_conv1d(x, weight, None, torch.zeros(1, K - 1, 40), meta)
+        torch.testing.assert_close(y, conv_reference(x, weight, None), atol=1e-5, rtol=1e-5)
+        weight.mul_(-2.0)
+
+
 def test_backends_agree_on_a_decode_batch_in_bf16() -> None:
     """The C++ decode step and conv == the reference's on the same bf16 step (fp32 state)."""
     if fused_module.native_ops() is None:

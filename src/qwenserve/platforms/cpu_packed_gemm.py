@@ -69,9 +69,10 @@ def _is_packable(weight: torch.Tensor) -> bool:
 class PackedWeights:
     """Each weight's packed copy, made at its first use and again after an in-place write."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor], announce: str) -> None:
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor],
+                 announce: str | None = None) -> None:
         self._pack = pack
-        self._announce = announce  # logged when the first weight is packed
+        self._announce = announce  # logged when the first weight is packed (None: nothing)
         # id(weight) -> (the weight's version when packed, the packed copy); an entry goes
         # when its weight is freed (tensors compare elementwise, so no WeakKeyDictionary)
         self._packed: dict[int, tuple[int, torch.Tensor]] = {}
@@ -86,7 +87,7 @@ class PackedWeights:
         packed = self._pack(weight)
         if entry is None:
             weakref.finalize(weight, self._forget, key, weight.numel() * weight.element_size())
-            if not self.packed_bytes:
+            if not self.packed_bytes and self._announce is not None:
                 logger.info(self._announce)
             self.packed_bytes += weight.numel() * weight.element_size()
         self._packed[key] = (weight._version, packed)

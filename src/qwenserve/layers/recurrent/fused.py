@@ -38,6 +38,7 @@ from qwenserve.layers.recurrent.torch_ref import (
 )
 from qwenserve.native import load_library
 from qwenserve.native.build import DEFAULT_CFLAGS
+from qwenserve.platforms.cpu_packed_gemm import PackedWeights
 from qwenserve.native.kernels import CSRC, heads_rows
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "gdn_cpu.cpp")
@@ -74,6 +75,9 @@ class NativeGDN:
             fn.restype = None
             self._decode_rows[dtype] = fn
         self._conv = {}
+        # each conv weight [D, K] as the kernel reads it, [K, D] float32, made once: per call it
+        # cost 0.1 ms a layer in a 64-sequence decode step (1.7 ms of a Qwen3.5-0.8B step)
+        self._conv_weights = PackedWeights(_conv_weight_t)
         for dtype, name in self.CONV.items():
             fn = getattr(lib, name)
             fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
@@ -168,7 +172,7 @@ class NativeGDN:
         """As ``causal_conv1d_varlen`` (x [T, D], weight [D, K]); conv_state updated in place."""
         if x.stride(1) != 1:
             x = x.contiguous()
-        weight_t = weight.reshape(weight.shape[0], -1).t().float().contiguous()  # [K, D]
+        weight_t = self._conv_weights(weight)  # [K, D] float32
         bias_f = None if bias is None else bias.float().contiguous()
         qsl = meta.query_start_loc.to(torch.int64).contiguous()
         slots = meta.state_slots.to(torch.int64).contiguous()
@@ -198,6 +202,10 @@ class NativeGDN:
                                   weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
                                   x.stride(1), gate.stride(0), gate.stride(1), x.shape[2], eps)
         return out
+
+
+def _conv_weight_t(weight: torch.Tensor) -> torch.Tensor:
+    return weight.reshape(weight.shape[0], -1).t().float().contiguous()
 
 
 @functools.cache
