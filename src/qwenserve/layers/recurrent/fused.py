@@ -38,8 +38,8 @@ from qwenserve.layers.recurrent.torch_ref import (
 )
 from qwenserve.native import load_library
 from qwenserve.native.build import DEFAULT_CFLAGS
-from qwenserve.platforms.cpu_packed_gemm import PackedWeights
 from qwenserve.native.kernels import CSRC, heads_rows
+from qwenserve.platforms.cpu_packed_gemm import PackedWeights
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "gdn_cpu.cpp")
 # FMA contraction: ISO C++ modes (-std=c++17) leave a * b + c unfused otherwise. The native
