@@ -96,12 +96,15 @@ inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t 
 // rows of each slot); next == null: this is the last block. Always inlined: GCC kept it a call,
 // and a call in the passes' loops spills every vector register (all caller-saved): 21 -> 29 ms.
 template <typename T>
-__attribute__((always_inline)) inline void prefetch_share(const T* next, int64_t head, int64_t slots_per_head,
-                           int64_t block_size, int64_t slot_stride) {
+__attribute__((always_inline)) inline void prefetch_share(const T* next, int64_t head,
+                                                          int64_t slots_per_head,
+                                                          int64_t block_size,
+                                                          int64_t slot_stride) {
   if (next == nullptr) return;
   const int64_t first = head * slots_per_head;
   const int64_t last = std::min(block_size, first + slots_per_head);
-  if (first < last) prefetch_rows(next + first * slot_stride, last - first, slot_stride, slot_stride);
+  if (first < last)
+    prefetch_rows(next + first * slot_stride, last - first, slot_stride, slot_stride);
 }
 
 // D % 8 == 0 (checked by the caller): rows are D / 8 vectors. CH > 0 fixes D / 8 at compile
@@ -352,7 +355,8 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     }
   }
   for (int64_t head = 0; head < hq; ++head) {
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[head]));
+    const float sum = _mm512_reduce_add_ps(total[head]);  // as softmax_rows: 0 for no context
+    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
     for (int c = 0; c < VC; c += 2) {  // two fp32 vectors -> one of 32 bf16 (nearest even)
       const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[head * VC + c + 1], inv),
                                                 _mm512_mul_ps(acc[head * VC + c], inv));
