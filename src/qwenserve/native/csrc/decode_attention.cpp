@@ -92,19 +92,22 @@ inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t 
     for (int64_t j = 0; j < d; j += line) __builtin_prefetch(first + t * stride + j, 0, 3);
 }
 
-// Query head `head`'s share of the next block's slots (slots_per_head of them, every KV head's
-// rows of each slot); next == null: this is the last block. Always inlined: GCC kept it a call,
+// The next block's slots are prefetched a few at a time, spread over this block's work (one
+// share per query head, in both passes): a block's worth at once stalled on the line-fill
+// buffers, and a third of the kernel's samples sat on those prefetches (64 x 300-token contexts
+// x 24 layers, bf16 kernel: 23.4 -> 20.4 ms; no software prefetch at all: 27-30 ms; generic
+// kernel, fp32: 35.3 / 37.5 -> 31.9 / 34.7 ms, bf16 built for AVX2: 28.4 / 27.0 -> 27.1 / 26.2).
+// Share `part` of `per_part` slots, `width` values of each (from `next`: a row of one KV head,
+// or a whole slot); next == null: this is the last block. Always inlined: GCC kept it a call,
 // and a call in the passes' loops spills every vector register (all caller-saved): 21 -> 29 ms.
 template <typename T>
-__attribute__((always_inline)) inline void prefetch_share(const T* next, int64_t head,
-                                                          int64_t slots_per_head,
-                                                          int64_t block_size,
-                                                          int64_t slot_stride) {
+__attribute__((always_inline)) inline void prefetch_share(const T* next, int64_t part,
+                                                          int64_t per_part, int64_t block_size,
+                                                          int64_t slot_stride, int64_t width) {
   if (next == nullptr) return;
-  const int64_t first = head * slots_per_head;
-  const int64_t last = std::min(block_size, first + slots_per_head);
-  if (first < last)
-    prefetch_rows(next + first * slot_stride, last - first, slot_stride, slot_stride);
+  const int64_t first = part * per_part;
+  const int64_t last = std::min(block_size, first + per_part);
+  if (first < last) prefetch_rows(next + first * slot_stride, last - first, slot_stride, width);
 }
 
 // D % 8 == 0 (checked by the caller): rows are D / 8 vectors. CH > 0 fixes D / 8 at compile
@@ -126,15 +129,17 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
   float* qf = reinterpret_cast<float*>(qv.data());
   for (int64_t g = 0; g < group; ++g)
     for (int64_t j = 0; j < d; ++j) qf[g * d + j] = to_float(q[(h * group + g) * d + j]) * scale;
+  const int64_t slots_per_head = (block_size + group - 1) / group;  // prefetch_share's
 
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t base = table[b] * block_size, count = std::min(block_size, len - start);
-    if (start + block_size < len)
-      prefetch_rows(k_cache + table[b + 1] * block_size * slot_stride + h * d, block_size,
-                    slot_stride, d);
+    const T* next = start + block_size < len
+                        ? k_cache + table[b + 1] * block_size * slot_stride + h * d
+                        : nullptr;
     for (int64_t t = 0; t < count; ++t)
       load_row(rows.data() + t * chunks, k_cache + (base + t) * slot_stride + h * d, chunks);
     for (int64_t g = 0; g < group; ++g) {
+      prefetch_share(next, g, slots_per_head, block_size, slot_stride, d);
       v8 qg[CH > 0 ? CH : 1];
       const v8* qsrc = qv.data() + g * chunks;
       if constexpr (CH > 0)
@@ -169,12 +174,13 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
   softmax_rows(scores.data(), inv.data(), group, len);
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t base = table[b] * block_size, count = std::min(block_size, len - start);
-    if (start + block_size < len)
-      prefetch_rows(v_cache + table[b + 1] * block_size * slot_stride + h * d, block_size,
-                    slot_stride, d);
+    const T* next = start + block_size < len
+                        ? v_cache + table[b + 1] * block_size * slot_stride + h * d
+                        : nullptr;
     for (int64_t t = 0; t < count; ++t)
       load_row(rows.data() + t * chunks, v_cache + (base + t) * slot_stride + h * d, chunks);
     for (int64_t g = 0; g < group; ++g) {
+      prefetch_share(next, g, slots_per_head, block_size, slot_stride, d);
       const float* wg = scores.data() + g * len + start;
       v8* a = acc.data() + g * chunks;
       if constexpr (CH > 0) {
@@ -276,19 +282,14 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   for (int64_t head = 0; head < hq; ++head)
     for (int c = 0; c < CH; ++c)
       qv[head * CH + c] = (__m512bh)_mm512_loadu_si512(q + head * d + 32 * c);
-  // The next block's slots are prefetched a few at a time, spread over this block's work (its
-  // query heads, in both passes): a block's worth at once (64-128 lines) stalled on the
-  // line-fill buffers, and a third of the kernel's samples sat on those prefetches (64 x
-  // 300-token contexts x 24 layers: 23.4 -> 21.9 ms for the K pass, 21.5 -> 20.4 for the V
-  // pass; no software prefetch at all: 27-30 ms).
-  const int64_t slots_per_head = (block_size + hq - 1) / hq;
+  const int64_t slots_per_head = (block_size + hq - 1) / hq;  // prefetch_share's
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const uint16_t* kb = k_cache + table[b] * block_size * slot_stride;
     const uint16_t* next =
         start + block_size < len ? k_cache + table[b + 1] * block_size * slot_stride : nullptr;
     const int64_t count = std::min(block_size, len - start);
     for (int64_t head = 0; head < hq; ++head) {
-      prefetch_share(next, head, slots_per_head, block_size, slot_stride);
+      prefetch_share(next, head, slots_per_head, block_size, slot_stride, slot_stride);
       const __m512bh* qg = qv.data() + head * CH;
       const uint16_t* kh = kb + (head / group) * d;
       float* sg = scores.data() + head * len + start;
@@ -323,7 +324,7 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
             (__m256bh)_mm256_loadu_si256((const __m256i*)(vb + t * slot_stride + 16 * c)));
     }
     for (int64_t head = 0; head < hq; ++head) {
-      prefetch_share(next, head, slots_per_head, block_size, slot_stride);
+      prefetch_share(next, head, slots_per_head, block_size, slot_stride, slot_stride);
       alignas(64) float w[16];  // this block's softmax weights (unnormalised) of the head
       const __mmask16 live = tail_mask(count);
       const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
