@@ -305,14 +305,9 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   }
   // Softmax's shift: each head's largest score. The exponentials are taken block by block in
   // the V pass below, 16 lanes at a time, where the weights are used (no pass of their own
-  // over the scores: 21.9 -> 21.4 ms in the test above).
-  for (int64_t head = 0; head < hq; ++head) {
-    const float* sg = scores.data() + head * len;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < len; t += 16)
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(len - t), sg + t));
-    shift[head] = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  }
+  // over the scores: 64 x 300-token contexts x 24 layers, 21.9 -> 21.4 ms).
+  for (int64_t head = 0; head < hq; ++head)
+    shift[head] = _mm512_set1_ps(max16(scores.data() + head * len, len));
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const uint16_t* vb = v_cache + table[b] * block_size * slot_stride;
     const uint16_t* next =

@@ -131,23 +131,6 @@ void pack_v(uint16_t* dst, const uint16_t* v, int64_t v_stride, int64_t S, int64
     }
 }
 
-// The largest of x[0..n), n > 0: four 16-lane maxima side by side (one chain of dependent
-// maxima was a tenth of the kernel's time). Not vec_math.h's portable max_of: with four (or
-// eight) partial maxima and 512-bit vectors that one still left this kernel 1.1-1.2x slower at
-// 256-1,024 tokens (its scalar tails and the call on the many short causal rows; 2026-12-05).
-inline float max16(const float* x, int64_t n) {
-  __m512 m[4];
-  for (auto& v : m) v = _mm512_set1_ps(-__builtin_inff());
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64)
-    for (int j = 0; j < 4; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(x + i + 16 * j));
-  for (; i < n; i += 16) {
-    const __mmask16 valid = tail_mask(n - i);
-    m[0] = _mm512_mask_max_ps(m[0], valid, m[0], _mm512_maskz_loadu_ps(valid, x + i));
-  }
-  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
-}
-
 // Tile C += Q . K^T of one key tile kb (DCS chunks of 32 dims; query tiles in 2.., B its K
 // tile). A macro: the tile intrinsics take their tile numbers as literal tokens.
 #define QS_KEY_TILE_SCORES(DCS, C, B, kb)          \

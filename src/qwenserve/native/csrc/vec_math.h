@@ -98,6 +98,24 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+// The largest of x[0..n) (-inf for n == 0): four 16-lane maxima side by side (one chain of
+// dependent maxima was a tenth of the prefill attention kernel's time). Not max_of above: with
+// four (or eight) partial maxima and 512-bit vectors that one still left the prefill kernel
+// 1.1-1.2x slower at 256-1,024 tokens (its scalar tails and the call on the many short causal
+// rows; 2026-12-05).
+inline float max16(const float* x, int64_t n) {
+  __m512 m[4];
+  for (auto& v : m) v = _mm512_set1_ps(-__builtin_inff());
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 4; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(x + i + 16 * j));
+  for (; i < n; i += 16) {
+    const __mmask16 valid = tail_mask(n - i);
+    m[0] = _mm512_mask_max_ps(m[0], valid, m[0], _mm512_maskz_loadu_ps(valid, x + i));
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+}
+
 #if defined(__AVX512BF16__)
 // fp32 to bf16 with AVX512-BF16's conversion: vcvtneps2bf16 rounds 16 floats to bf16 (nearest
 // even, NaN kept NaN) in one instruction, where the portable round_bf16 takes about ten integer
