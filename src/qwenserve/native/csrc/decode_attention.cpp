@@ -121,7 +121,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
                 int64_t len, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                 float scale) {
   const int64_t group = hq / hkv, slot_stride = hkv * d, chunks = CH > 0 ? CH : d / W;
-  // per-thread buffers, reused across tasks and calls (see decode_one_bf16)
+  // per-thread buffers, reused across tasks and calls (see decode_seq_bf16)
   static thread_local std::vector<v8> qv, acc, rows;
   static thread_local std::vector<float> scores, inv;
   qv.resize(group * chunks), acc.assign(group * chunks, v8{}), rows.resize(block_size * chunks);
