@@ -81,6 +81,10 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _has_avx512() -> bool:
+    return "avx512f" in _cpu_flags()
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -100,7 +104,7 @@ class CpuPlatform(Platform):
     # (docs/benchmarks.md, "Issue 19: native fp32 GEMM"). Not on AVX512 CPUs: there oneDNN's
     # AVX512 kernels ran 1.1-2x faster than this AVX2 kernel at every size from 8 rows (Sapphire
     # Rapids Xeon, docs/benchmarks.md "bf16 on AMX"); the 1-4-row skinny kernel still won there.
-    native_gemm_min_rows = 0 if "avx512f" in _cpu_flags() else 8
+    native_gemm_min_rows = 0 if _has_avx512() else 8
     # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
     # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire
     # Rapids Xeon (2 threads). Qwen2.5-0.5B shape, bf16, 2,048 rows: 31.5 -> 29.0 ms a layer;
@@ -161,9 +165,7 @@ class CpuPlatform(Platform):
             packed.append(torch.float32)
         return _float_linear(_has_onednn_linear(), tuple(packed))
 
-    @staticmethod
-    def _has_avx512() -> bool:
-        return "avx512f" in _cpu_flags()
+    _has_avx512 = staticmethod(_has_avx512)  # the float32 packing's probe (tests patch it)
 
     def int8_skinny_max_rows(self) -> int:
         # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 0.9 ms per row of x on the
