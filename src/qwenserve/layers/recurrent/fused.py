@@ -68,12 +68,9 @@ class NativeGDN:
         self._decode = lib.gdn_decode_f32
         self._decode.argtypes = [_P] * 9 + [_I] * 4
         self._decode.restype = None
-        self._decode_rows = {}
-        for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = getattr(lib, f"gdn_decode_rows_{tag}")
-            fn.argtypes = [_P] * 5 + [_I] * 3 + [_P] * 5 + [_I] * 5
-            fn.restype = None
-            self._decode_rows[dtype] = fn
+        self._decode_rows = lib.gdn_decode_rows
+        self._decode_rows.argtypes = [_P] * 5 + [_I] * 3 + [_P] * 5 + [_I] * 5 + [ctypes.c_int] * 2
+        self._decode_rows.restype = ctypes.c_int
         self._conv = {}
         # each conv weight [D, K] as the kernel reads it, [K, D] float32, made once: per call it
         # cost 0.1 ms a layer in a 64-sequence decode step (1.7 ms of a Qwen3.5-0.8B step)
@@ -112,8 +109,8 @@ class NativeGDN:
 
     def supports_decode_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              pool: torch.Tensor, out: torch.Tensor) -> bool:
-        return (q.dtype in self._decode_rows and k.dtype == v.dtype == out.dtype == q.dtype
-                and pool.dtype == torch.float32 and pool.is_contiguous()
+        return (q.dtype in _DTYPE_CODES and k.dtype == v.dtype == out.dtype == q.dtype
+                and pool.dtype in _DTYPE_CODES and pool.is_contiguous()
                 and out.is_contiguous() and q.device.type == pool.device.type == "cpu"
                 and q.shape[-1] % 8 == 0 and v.shape[1] % k.shape[1] == 0)
 
@@ -127,11 +124,13 @@ class NativeGDN:
         g, beta = g.float().contiguous(), beta.float().contiguous()
         ints = [t.to(torch.int64).contiguous() for t in (meta.decode_tokens, meta.decode_slots)]
         init = meta.decode_has_init.to(torch.uint8).contiguous()
-        self._decode_rows[q.dtype](
-            out.data_ptr(), pool.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-            q.stride(0), k.stride(0), v.stride(0), g.data_ptr(), beta.data_ptr(),
-            ints[0].data_ptr(), ints[1].data_ptr(), init.data_ptr(), meta.num_decodes,
-            q.shape[1], v.shape[1], q.shape[2], v.shape[2])
+        if self._decode_rows(
+                out.data_ptr(), pool.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                q.stride(0), k.stride(0), v.stride(0), g.data_ptr(), beta.data_ptr(),
+                ints[0].data_ptr(), ints[1].data_ptr(), init.data_ptr(), meta.num_decodes,
+                q.shape[1], v.shape[1], q.shape[2], v.shape[2], _DTYPE_CODES[q.dtype],
+                _DTYPE_CODES[pool.dtype]):
+            raise RuntimeError("gdn_decode_rows refused dtypes that supports_decode_rows took")
 
     @staticmethod
     def supports_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

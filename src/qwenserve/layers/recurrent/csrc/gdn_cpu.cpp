@@ -1,9 +1,10 @@
 // Gated DeltaNet CPU kernels that PyTorch cannot express without extra passes over memory.
 // Plain C++ with extern "C" entry points, loaded with ctypes (qwenserve.native.load_library).
 //
-// gdn_decode_f32 / gdn_decode_rows_{f32,bf16}: one token per sequence, the state updated in
-//   place in its pool slot (the _rows form also prepares q, k, v from the layer's tensors). The
-//   PyTorch form gathers each state out of the pool, reads it twice and scatters it back
+// gdn_decode_f32 / gdn_decode_rows: one token per sequence, the state updated in place in its
+//   pool slot (the _rows form also prepares q, k, v from the layer's tensors, and takes bf16
+//   pools: --mamba-ssm-cache-dtype bfloat16). The PyTorch form gathers each state out of the
+//   pool, reads it twice and scatters it back
 //   (about five passes over 1 MiB per sequence and layer); here each (sequence, head) state is
 //   read once for both products and rewritten once while it is still in L2.
 // gdn_conv_{f32,bf16}: the depthwise causal conv over a varlen batch, history read from and
@@ -637,22 +638,27 @@ void chunk_prefill(const ChunkArgs& a) {
   }
 }
 
-// One (sequence, value head) decode step on its state S [Dk, Dv] in place: q, k (normalised, q
-// scaled), v rows in f32; o [Dv] f32. kv, qs, delta: [Dv] scratch.
-inline void decode_head(float* S, const float* qr, const float* kr, const float* vr, float decay,
-                        float bt, bool init, float* o, float* kv, float* qs, float* delta,
-                        int64_t Dk, int64_t Dv) {
-  if (!init) std::fill(S, S + Dk * Dv, 0.0f);  // a fresh slot may hold NaN
+// One (sequence, value head) decode step on its state S [Dk, Dv] in place, stored as PT (f32,
+// or bf16 with --mamba-ssm-cache-dtype bfloat16: widened on the read, the new state rounded on
+// the write, as the reference's pool[slots].float() ... index_copy_(.to(bf16)); half the bytes
+// of the step's memory-bound pass): q, k (normalised, q scaled), v rows in f32; o [Dv] f32.
+// kv, qs, delta: [Dv] scratch.
+template <typename PT>
+inline void decode_head(typename PT::T* S, const float* qr, const float* kr, const float* vr,
+                        float decay, float bt, bool init, float* o, float* kv, float* qs,
+                        float* delta, int64_t Dk, int64_t Dv) {
+  if (!init) std::fill(S, S + Dk * Dv, typename PT::T{});  // a fresh slot may hold NaN
   std::fill(kv, kv + Dv, 0.0f);
   std::fill(qs, qs + Dv, 0.0f);
   float kq = 0.0f;
   for (int64_t i = 0; i < Dk; ++i) {
     const float ki = kr[i], qi = qr[i];
-    const float* row = S + i * Dv;
+    const typename PT::T* row = S + i * Dv;
     kq += ki * qi;
     for (int64_t j = 0; j < Dv; ++j) {
-      kv[j] += ki * row[j];
-      qs[j] += qi * row[j];
+      const float s = PT::load(row[j]);
+      kv[j] += ki * s;
+      qs[j] += qi * s;
     }
   }
   for (int64_t j = 0; j < Dv; ++j) {
@@ -662,10 +668,55 @@ inline void decode_head(float* S, const float* qr, const float* kr, const float*
   }
   for (int64_t i = 0; i < Dk; ++i) {
     const float ki = kr[i];
-    float* row = S + i * Dv;
-    for (int64_t j = 0; j < Dv; ++j) row[j] = decay * row[j] + ki * delta[j];
+    typename PT::T* row = S + i * Dv;
+    for (int64_t j = 0; j < Dv; ++j) row[j] = PT::store(decay * PT::load(row[j]) + ki * delta[j]);
   }
 }
+
+#if defined(__AVX512F__)
+// decode_head in 16 lanes (Dv % 16 == 0): the products' sums for up to 128 state columns stay
+// in registers over the Dk rows, and bf16 states widen and round with single instructions (the
+// scalar loops above, with BF16's conversions, ran a bf16 pool at 17 GB/s against f32's 31:
+// slower than the f32 pool it halves).
+template <typename PT>
+inline void decode_head16(typename PT::T* S, const float* qr, const float* kr, const float* vr,
+                          float decay, float bt, bool init, float* o, float* delta, int64_t Dk,
+                          int64_t Dv) {
+  constexpr int64_t NV = 8;  // 16 accumulators of 32: room for the broadcasts and loads
+  if (!init) std::fill(S, S + Dk * Dv, typename PT::T{});
+  float kq = 0.0f;
+  for (int64_t i = 0; i < Dk; ++i) kq += kr[i] * qr[i];
+  const __m512 dec = _mm512_set1_ps(decay), b = _mm512_set1_ps(bt), kqv = _mm512_set1_ps(kq);
+  for (int64_t j0 = 0; j0 < Dv; j0 += 16 * NV) {
+    const int64_t nv = std::min<int64_t>(NV, (Dv - j0) / 16);
+    __m512 kv[NV], qs[NV];
+    for (int64_t c = 0; c < NV; ++c) kv[c] = qs[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < Dk; ++i) {
+      const __m512 ki = _mm512_set1_ps(kr[i]), qi = _mm512_set1_ps(qr[i]);
+      const typename PT::T* row = S + i * Dv + j0;
+      for (int64_t c = 0; c < NV; ++c)
+        if (c < nv) {
+          const __m512 sv = load16(row + 16 * c, 0xffff);
+          kv[c] = _mm512_fmadd_ps(ki, sv, kv[c]);
+          qs[c] = _mm512_fmadd_ps(qi, sv, qs[c]);
+        }
+    }
+    for (int64_t c = 0; c < nv; ++c) {
+      const int64_t j = j0 + 16 * c;
+      const __m512 d = _mm512_mul_ps(b, _mm512_fnmadd_ps(dec, kv[c], _mm512_loadu_ps(vr + j)));
+      _mm512_storeu_ps(delta + j, d);
+      _mm512_storeu_ps(o + j, _mm512_fmadd_ps(dec, qs[c], _mm512_mul_ps(kqv, d)));
+    }
+  }
+  for (int64_t i = 0; i < Dk; ++i) {
+    const __m512 ki = _mm512_set1_ps(kr[i]);
+    typename PT::T* row = S + i * Dv;
+    for (int64_t j = 0; j < Dv; j += 16)
+      store16(row + j, _mm512_fmadd_ps(dec, load16(row + j, 0xffff),
+                                       _mm512_mul_ps(ki, _mm512_loadu_ps(delta + j))), 0xffff);
+  }
+}
+#endif
 
 // The decodes of a step straight from the layer's tensors: q, k [T, Hk, Dk] and v [T, Hv, Dv]
 // as the conv left them (rows of any stride, heads contiguous; q/k not yet normalised), g, beta
@@ -673,8 +724,8 @@ inline void decode_head(float* S, const float* qr, const float* kr, const float*
 // here (q also scaled by Dk^-1/2) and value head h reads key head h / (Hv / Hk), as
 // prepare_qkv does; out [T, Hv, Dv] (contiguous, T) gets the decodes' rows. The Python form of
 // the same preparation took ~25 small torch ops a layer.
-template <typename DT>
-void decode_rows(typename DT::T* out, float* pool, const typename DT::T* q,
+template <typename DT, typename PT>
+void decode_rows(typename DT::T* out, typename PT::T* pool, const typename DT::T* q,
                  const typename DT::T* k, const typename DT::T* v, int64_t q_stride,
                  int64_t k_stride, int64_t v_stride, const float* g, const float* beta,
                  const int64_t* rows, const int64_t* slots, const uint8_t* has_init, int64_t n,
@@ -693,9 +744,16 @@ void decode_rows(typename DT::T* out, float* pool, const typename DT::T* q,
       load_row<DT>(v + t * v_stride + h * Dv, vf.data(), Dv);
       l2_normalise(qf.data(), Dk, q_scale);
       l2_normalise(kf.data(), Dk, 1.0f);
-      float* S = pool + (slots[i] * Hv + h) * Dk * Dv;
-      decode_head(S, qf.data(), kf.data(), vf.data(), std::exp(g[t * Hv + h]), beta[t * Hv + h],
-                  has_init[i] != 0, of.data(), kv.data(), qs.data(), delta.data(), Dk, Dv);
+      typename PT::T* S = pool + (slots[i] * Hv + h) * Dk * Dv;
+      const float decay = std::exp(g[t * Hv + h]), bt = beta[t * Hv + h];
+#if defined(__AVX512F__)
+      if (Dv % 16 == 0)
+        decode_head16<PT>(S, qf.data(), kf.data(), vf.data(), decay, bt, has_init[i] != 0,
+                          of.data(), delta.data(), Dk, Dv);
+      else
+#endif
+        decode_head<PT>(S, qf.data(), kf.data(), vf.data(), decay, bt, has_init[i] != 0,
+                        of.data(), kv.data(), qs.data(), delta.data(), Dk, Dv);
       typename DT::T* o = out + (t * Hv + h) * Dv;
       for (int64_t j = 0; j < Dv; ++j) o[j] = DT::store(of[j]);
     }
@@ -729,29 +787,34 @@ void gdn_decode_f32(float* out, float* pool, const float* q, const float* k, con
 #pragma omp for schedule(static)
     for (int64_t idx = 0; idx < B * H; ++idx) {
       const int64_t b = idx / H, h = idx % H;
-      decode_head(pool + (slots[b] * H + h) * Dk * Dv, q + idx * Dk, k + idx * Dk, v + idx * Dv,
-                  std::exp(g[idx]), beta[idx], has_init[b] != 0, out + idx * Dv, kv.data(),
-                  qs.data(), delta.data(), Dk, Dv);
+      decode_head<F32>(pool + (slots[b] * H + h) * Dk * Dv, q + idx * Dk, k + idx * Dk,
+                       v + idx * Dv, std::exp(g[idx]), beta[idx], has_init[b] != 0,
+                       out + idx * Dv, kv.data(), qs.data(), delta.data(), Dk, Dv);
     }
   }
 }
 
-// decode_rows above, for f32 and bf16 layer tensors (the state pool is f32 either way).
-void gdn_decode_rows_f32(float* out, float* pool, const float* q, const float* k, const float* v,
-                         int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* g,
-                         const float* beta, const int64_t* rows, const int64_t* slots,
-                         const uint8_t* has_init, int64_t n, int64_t Hk, int64_t Hv, int64_t Dk,
-                         int64_t Dv) {
-  decode_rows<F32>(out, pool, q, k, v, q_stride, k_stride, v_stride, g, beta, rows, slots,
-                   has_init, n, Hk, Hv, Dk, Dv);
-}
-void gdn_decode_rows_bf16(uint16_t* out, float* pool, const uint16_t* q, const uint16_t* k,
-                          const uint16_t* v, int64_t q_stride, int64_t k_stride,
-                          int64_t v_stride, const float* g, const float* beta,
-                          const int64_t* rows, const int64_t* slots, const uint8_t* has_init,
-                          int64_t n, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
-  decode_rows<BF16>(out, pool, q, k, v, q_stride, k_stride, v_stride, g, beta, rows, slots,
-                    has_init, n, Hk, Hv, Dk, Dv);
+// decode_rows above; dt: the layer tensors' dtype, pt: the state pool's (0 f32, 1 bf16).
+// Returns 1 (nothing done) for another code.
+int gdn_decode_rows(void* out, void* pool, const void* q, const void* k, const void* v,
+                    int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* g,
+                    const float* beta, const int64_t* rows, const int64_t* slots,
+                    const uint8_t* has_init, int64_t n, int64_t Hk, int64_t Hv, int64_t Dk,
+                    int64_t Dv, int dt, int pt) {
+  auto run = [&](auto d, auto p) {
+    using D = decltype(d);
+    using P = decltype(p);
+    decode_rows<D, P>(static_cast<typename D::T*>(out), static_cast<typename P::T*>(pool),
+                      static_cast<const typename D::T*>(q), static_cast<const typename D::T*>(k),
+                      static_cast<const typename D::T*>(v), q_stride, k_stride, v_stride, g,
+                      beta, rows, slots, has_init, n, Hk, Hv, Dk, Dv);
+  };
+  if (dt == 0 && pt == 0) run(F32{}, F32{});
+  else if (dt == 0 && pt == 1) run(F32{}, BF16{});
+  else if (dt == 1 && pt == 0) run(BF16{}, F32{});
+  else if (dt == 1 && pt == 1) run(BF16{}, BF16{});
+  else return 1;
+  return 0;
 }
 
 void gdn_conv_f32(float* out, const float* x, int64_t x_stride, const float* weight_t,
