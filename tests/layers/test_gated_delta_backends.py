@@ -264,16 +264,15 @@ def test_native_prefill_strided_views_odd_dims(dtype, reference_calls) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dv", [24, 144])  # 144: the 16-lane form, a 128-column block and one more
 def test_native_decode_reads_the_layer_tensors_in_place(dtype, pool_dtype, dv,
                                                         monkeypatch) -> None:
     """A decode-only step on strided q/k/v views (Hv = 3 Hk, q/k not normalised) goes to the
     kernel that prepares them itself (``decode_rows``), never through prepare_qkv, and equals
-    the reference backend's step; with a bf16 state pool (--mamba-ssm-cache-dtype bfloat16)
+    the reference backend's step; with bf16 and f16 state pools (--mamba-ssm-cache-dtype)
     too, the states widened on the read and rounded on the write as the reference does."""
-    if fused_module.native_ops() is None:
-        pytest.skip("no C++ toolchain here")
+    skip_unless_native_pool(pool_dtype)
     prepared = []
     monkeypatch.setattr(fused_module, "prepare_qkv",
                         lambda *a: prepared.append(1) or pytest.fail("prepare_qkv ran"))
@@ -294,9 +293,9 @@ def test_native_decode_reads_the_layer_tensors_in_place(dtype, pool_dtype, dv,
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     assert o.dtype == dtype and pool.dtype == pool_dtype and not prepared
     torch.testing.assert_close(o, o_ref, atol=tol, rtol=tol)
-    # bf16 states: the same fp32 update rounded once; FMA contraction may move a rounding by
-    # an ulp (2^-8 relative)
-    pool_tol = 2e-5 if pool_dtype == torch.float32 else 8e-3
+    # 16-bit states: the same fp32 update rounded once; FMA contraction may move a rounding by
+    # an ulp (2^-8 relative in bf16, 2^-11 in f16)
+    pool_tol = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[pool_dtype]
     torch.testing.assert_close(pool.float(), pool_ref.float(), atol=pool_tol, rtol=pool_tol)
 
 
@@ -311,14 +310,24 @@ def native_and_reference(qkvgb, pool: torch.Tensor, lens: list[int], slots: list
     return o, ref.gated_delta_rule(*qkvgb, pool_ref, meta), pool_ref
 
 
-def test_native_prefill_bf16_state_pool(reference_calls) -> None:
-    """A bf16 state pool (--mamba-ssm-cache-dtype): read and written back in bf16, as the
-    reference does."""
+def skip_unless_native_pool(pool_dtype: torch.dtype) -> None:
+    ops = fused_module.native_ops()
+    if ops is None:
+        pytest.skip("no C++ toolchain here")
+    if pool_dtype not in ops.pool_codes:
+        pytest.skip(f"this build's kernels take no {pool_dtype} state pools (no F16C)")
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_native_prefill_16_bit_state_pool(pool_dtype, reference_calls) -> None:
+    """A bf16 or f16 state pool (--mamba-ssm-cache-dtype): read and written back in its dtype,
+    as the reference does, by the kernels (a decode in the step too)."""
+    skip_unless_native_pool(pool_dtype)
     lens = [40, 1, 19]
-    pool = torch.randn(3, HV, DK, DV).bfloat16()
+    pool = torch.randn(3, HV, DK, DV).to(pool_dtype)
     o, o_ref, pool_ref = native_and_reference(make_qkvgb(sum(lens), seed=11), pool, lens,
                                               [2, 0, 1], [True, True, False])
-    assert not reference_calls
+    assert not reference_calls and pool.dtype == pool_dtype
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool.float(), pool_ref.float(), atol=1e-2, rtol=1e-2)
 

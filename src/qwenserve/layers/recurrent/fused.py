@@ -18,7 +18,8 @@ Four C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
 
 Without a C++ compiler (or with ``QWENSERVE_NATIVE=0``) every path runs the reference's PyTorch
 code, after one log line from ``qwenserve.native``; so does any input the kernels do not take
-(a dtype other than fp32/bf16, a head dim not a multiple of 8, a non-CPU tensor).
+(layer tensors other than fp32/bf16, a state pool other than fp32/bf16/f16 (f16 needs F16C), a
+head dim not a multiple of 8, a non-CPU tensor).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "gdn_
 # kernels' csrc/ for vec_math.h's 16-lane SiLU (its headers join the build's cache key).
 _CFLAGS = (*DEFAULT_CFLAGS, "-ffp-contract=fast", f"-I{CSRC}")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the layer tensors'
+_F16_POOL_CODE = 2  # a float16 state pool, where the build has F16C (gdn_has_f16_pool)
 
 
 class _ChunkArgs(ctypes.Structure):
@@ -86,6 +88,9 @@ class NativeGDN:
             fn.argtypes = [_P] * 4 + [_I] * 7 + [ctypes.c_float]
             fn.restype = None
             self._gated_norm[dtype] = fn
+        self.pool_codes = dict(_DTYPE_CODES)
+        if lib.gdn_has_f16_pool():
+            self.pool_codes[torch.float16] = _F16_POOL_CODE
         self._chunk = lib.gdn_chunk
         self._chunk.argtypes = [ctypes.POINTER(_ChunkArgs), ctypes.c_int, ctypes.c_int]
         self._chunk.restype = ctypes.c_int
@@ -110,7 +115,7 @@ class NativeGDN:
     def supports_decode_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              pool: torch.Tensor, out: torch.Tensor) -> bool:
         return (q.dtype in _DTYPE_CODES and k.dtype == v.dtype == out.dtype == q.dtype
-                and pool.dtype in _DTYPE_CODES and pool.is_contiguous()
+                and pool.dtype in self.pool_codes and pool.is_contiguous()
                 and out.is_contiguous() and q.device.type == pool.device.type == "cpu"
                 and q.shape[-1] % 8 == 0 and v.shape[1] % k.shape[1] == 0)
 
@@ -129,14 +134,13 @@ class NativeGDN:
                 q.stride(0), k.stride(0), v.stride(0), g.data_ptr(), beta.data_ptr(),
                 ints[0].data_ptr(), ints[1].data_ptr(), init.data_ptr(), meta.num_decodes,
                 q.shape[1], v.shape[1], q.shape[2], v.shape[2], _DTYPE_CODES[q.dtype],
-                _DTYPE_CODES[pool.dtype]):
+                self.pool_codes[pool.dtype]):
             raise RuntimeError("gdn_decode_rows refused dtypes that supports_decode_rows took")
 
-    @staticmethod
-    def supports_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def supports_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          pool: torch.Tensor) -> bool:
         return (q.dtype in _DTYPE_CODES and k.dtype == v.dtype == q.dtype
-                and pool.dtype in _DTYPE_CODES and pool.is_contiguous()
+                and pool.dtype in self.pool_codes and pool.is_contiguous()
                 and q.device.type == pool.device.type == "cpu"
                 and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
                 and v.shape[1] % k.shape[1] == 0)
@@ -158,7 +162,7 @@ class NativeGDN:
                           out.data_ptr(), *(t.data_ptr() for t in ints), init.data_ptr(),
                           meta.num_prefills, q.shape[1], v.shape[1], q.shape[2], v.shape[2],
                           chunk_size)
-        if self._chunk(ctypes.byref(args), _DTYPE_CODES[q.dtype], _DTYPE_CODES[pool.dtype]):
+        if self._chunk(ctypes.byref(args), _DTYPE_CODES[q.dtype], self.pool_codes[pool.dtype]):
             raise ValueError(f"gdn_chunk: unsupported shapes q {tuple(q.shape)}, "
                              f"v {tuple(v.shape)}, chunk size {chunk_size}")
 

@@ -22,6 +22,9 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -54,6 +57,21 @@ struct BF16 {  // bfloat16 as its bits; round to nearest even on the way out, as
   }
   static float round(float x) { return load(store(x)); }
 };
+
+#if defined(__F16C__)
+#define QS_GDN_F16 1
+// IEEE half as its bits, a type of its own so that the 16-lane loads and stores overload on it.
+struct Half {
+  uint16_t bits;
+};
+// float16 state pools (--mamba-ssm-cache-dtype float16) with F16C's conversions: round to
+// nearest even, inf past the range, as torch's .to(torch.float16).
+struct F16 {
+  using T = Half;
+  static float load(Half x) { return _cvtsh_ss(x.bits); }
+  static Half store(float f) { return Half{_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)}; }
+};
+#endif
 
 // 8 floats (GCC/Clang vector extensions: one AVX2 register here, two NEON ones on Arm).
 typedef float vec8 __attribute__((vector_size(32)));
@@ -124,6 +142,14 @@ inline __m512 round16(__m512 v, BF16) {
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) { return load_bf16(p, m); }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+#if defined(QS_GDN_F16)
+inline __m512 load16(const Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+inline void store16(Half* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
 inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
 #if defined(__AVX512BF16__)
   store_bf16(p, to_bf16(v), m);
@@ -639,7 +665,7 @@ void chunk_prefill(const ChunkArgs& a) {
 }
 
 // One (sequence, value head) decode step on its state S [Dk, Dv] in place, stored as PT (f32,
-// or bf16 with --mamba-ssm-cache-dtype bfloat16: widened on the read, the new state rounded on
+// or bf16 / f16 with --mamba-ssm-cache-dtype: widened on the read, the new state rounded on
 // the write, as the reference's pool[slots].float() ... index_copy_(.to(bf16)); half the bytes
 // of the step's memory-bound pass): q, k (normalised, q scaled), v rows in f32; o [Dv] f32.
 // kv, qs, delta: [Dv] scratch.
@@ -794,7 +820,8 @@ void gdn_decode_f32(float* out, float* pool, const float* q, const float* k, con
   }
 }
 
-// decode_rows above; dt: the layer tensors' dtype, pt: the state pool's (0 f32, 1 bf16).
+// decode_rows above; dt: the layer tensors' dtype (0 f32, 1 bf16), pt: the state pool's (0 f32,
+// 1 bf16, 2 f16 where gdn_has_f16_pool).
 // Returns 1 (nothing done) for another code.
 int gdn_decode_rows(void* out, void* pool, const void* q, const void* k, const void* v,
                     int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* g,
@@ -813,8 +840,21 @@ int gdn_decode_rows(void* out, void* pool, const void* q, const void* k, const v
   else if (dt == 0 && pt == 1) run(F32{}, BF16{});
   else if (dt == 1 && pt == 0) run(BF16{}, F32{});
   else if (dt == 1 && pt == 1) run(BF16{}, BF16{});
+#if defined(QS_GDN_F16)
+  else if (dt == 0 && pt == 2) run(F32{}, F16{});
+  else if (dt == 1 && pt == 2) run(BF16{}, F16{});
+#endif
   else return 1;
   return 0;
+}
+
+// Whether this build takes float16 state pools (pool code 2): it needs F16C's conversions.
+int gdn_has_f16_pool() {
+#if defined(QS_GDN_F16)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 void gdn_conv_f32(float* out, const float* x, int64_t x_stride, const float* weight_t,
@@ -842,13 +882,18 @@ void gdn_conv_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, const flo
 }
 
 // The chunked prefill (ChunkArgs above). dtype: 0 f32, 1 bf16 (activations: q, k, v, out);
-// pool_dtype likewise for the state pool. Returns nonzero for a combination it does not build.
+// pool_dtype: the state pool's, 0 f32, 1 bf16, 2 f16 (where gdn_has_f16_pool). Returns nonzero
+// for a combination it does not build.
 int gdn_chunk(const ChunkArgs* args, int dtype, int pool_dtype) {
   if (args->C % 8 || args->Dk % 8 || args->Dv % 8 || args->Hv % args->Hk) return 1;
   if (dtype == 0 && pool_dtype == 0) chunk_prefill<F32, F32>(*args);
   else if (dtype == 1 && pool_dtype == 0) chunk_prefill<BF16, F32>(*args);
   else if (dtype == 0 && pool_dtype == 1) chunk_prefill<F32, BF16>(*args);
   else if (dtype == 1 && pool_dtype == 1) chunk_prefill<BF16, BF16>(*args);
+#if defined(QS_GDN_F16)
+  else if (dtype == 0 && pool_dtype == 2) chunk_prefill<F32, F16>(*args);
+  else if (dtype == 1 && pool_dtype == 2) chunk_prefill<BF16, F16>(*args);
+#endif
   else return 1;
   return 0;
 }
