@@ -93,6 +93,25 @@ def test_native_decode_reuses_its_buffers_across_shapes(dtype):
         _check_native_decode(native, d, dtype, hq, hkv, lens)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_splits_a_small_batch_over_the_threads(dtype):
+    """With fewer sequences than threads (batch 1 on two cores) each sequence's KV heads are
+    split into ranges, one task each: every split (one head a task, uneven ranges, two
+    sequences sharing four threads) agrees with the reference."""
+    native = _native_backend()
+    if native is None:
+        return
+    torch.manual_seed(3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for d, hq, hkv, lens in [(64, 8, 4, [70]), (128, 6, 3, [33]), (256, 8, 2, [90, 17]),
+                                 (64, 8, 4, [5, 40, 18]), (72, 4, 2, [50])]:
+            _check_native_decode(native, d, dtype, hq, hkv, lens)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _native_backend():
     """The cpu_native backend with its kernel, or None where none is built (then asserted)."""
     from qwenserve.native import build, native_enabled
@@ -111,8 +130,9 @@ def _check_native_decode(native, d: int, dtype: torch.dtype, hq: int, hkv: int,
     cache = torch.randn(2, 64 * bs, hkv, d).to(dtype)
     tables = [torch.randperm(64)[: -(-n // bs)].tolist() for n in lens]
     chunks = [ChunkLayout(i, 1, n - 1, t) for i, (n, t) in enumerate(zip(lens, tables))]
-    qkv = torch.randn(4, (hq + 2 * hkv) * d).to(dtype)  # views of one projection, as in a model
-    q, k, v = (t.view(4, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    n = len(lens)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).to(dtype)  # views of one projection, as in a model
+    q, k, v = (t.view(n, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
     ref = get_attention_backend("torch_ref")
     caches = [cache.clone(), cache.clone()]
     outs = [b.forward(q, k, v, c, b.build_metadata(chunks, bs, torch.device("cpu")), d**-0.5)

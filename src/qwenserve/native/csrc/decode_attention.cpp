@@ -21,6 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "vec_math.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -202,12 +204,13 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
     for (int64_t j = 0; j < d; ++j) store(out + (h * group + g) * d + j, af[g * d + j] * inv[g]);
 }
 
-// A sequence's KV heads in turn, in one task (the second head finds the block's lines in L2).
+// A sequence's KV heads h0 .. h1-1 in turn, in one task (the second head finds the block's
+// lines in L2).
 template <typename T, int CH>
 void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t len, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
-                float scale) {
-  for (int64_t h = 0; h < hkv; ++h)
+                float scale, int64_t h0, int64_t h1) {
+  for (int64_t h = h0; h < h1; ++h)
     decode_one<T, CH>(out, q, k_cache, v_cache, table, len, h, hq, hkv, d, block_size, scale);
 }
 
@@ -262,12 +265,17 @@ inline __m512 dot_bf16(const __m512bh* qg, const uint16_t* k) {
   return s;
 }
 
+// KV heads h0 .. h1-1 of the sequence (all of them, unless decode_all split the sequence).
 template <int CH>
 void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
                      const uint16_t* v_cache, const int64_t* table, int64_t len, int64_t hq,
-                     int64_t hkv, int64_t d, int64_t block_size, float scale) {
+                     int64_t hkv, int64_t d, int64_t block_size, float scale, int64_t h0,
+                     int64_t h1) {
   constexpr int VC = 2 * CH;  // fp32 vectors per head's row
-  const int64_t group = hq / hkv, slot_stride = hkv * d, slot_vectors = hkv * VC;
+  const int64_t group = hq / hkv, slot_stride = hkv * d;
+  // this task's query heads (local index: head - first) and the width of their K/V columns
+  const int64_t first = h0 * group, heads = (h1 - h0) * group, width = (h1 - h0) * d;
+  const int64_t row_vectors = (h1 - h0) * VC;
   // Per-thread buffers, grown as needed and kept (scores: Hq x the longest context seen, 4 MB
   // at 64k tokens and Hq = 16), reused across tasks and calls: allocating and zeroing them per
   // task cost 20-30% of the kernel at short contexts (64 x 32 tokens x 24 layers: 2.6-3.1 ->
@@ -275,23 +283,24 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   static thread_local std::vector<float> scores;
   static thread_local std::vector<__m512> rows, acc, shift, total;
   static thread_local std::vector<__m512bh> qv;
-  scores.resize(hq * len), rows.resize(block_size * slot_vectors), shift.resize(hq);
-  acc.assign(hq * VC, _mm512_setzero_ps()), total.assign(hq, _mm512_setzero_ps());
-  qv.resize(hq * CH);
+  scores.resize(heads * len), rows.resize(block_size * row_vectors), shift.resize(heads);
+  acc.assign(heads * VC, _mm512_setzero_ps()), total.assign(heads, _mm512_setzero_ps());
+  qv.resize(heads * CH);
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t head = 0; head < hq; ++head)
+  for (int64_t head = 0; head < heads; ++head)
     for (int c = 0; c < CH; ++c)
-      qv[head * CH + c] = (__m512bh)_mm512_loadu_si512(q + head * d + 32 * c);
-  const int64_t slots_per_head = (block_size + hq - 1) / hq;  // prefetch_share's
+      qv[head * CH + c] = (__m512bh)_mm512_loadu_si512(q + (first + head) * d + 32 * c);
+  const int64_t slots_per_head = (block_size + heads - 1) / heads;  // prefetch_share's
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const uint16_t* kb = k_cache + table[b] * block_size * slot_stride;
-    const uint16_t* next =
-        start + block_size < len ? k_cache + table[b + 1] * block_size * slot_stride : nullptr;
+    const uint16_t* next = start + block_size < len
+                               ? k_cache + table[b + 1] * block_size * slot_stride + h0 * d
+                               : nullptr;
     const int64_t count = std::min(block_size, len - start);
-    for (int64_t head = 0; head < hq; ++head) {
-      prefetch_share(next, head, slots_per_head, block_size, slot_stride, slot_stride);
+    for (int64_t head = 0; head < heads; ++head) {
+      prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
       const __m512bh* qg = qv.data() + head * CH;
-      const uint16_t* kh = kb + (head / group) * d;
+      const uint16_t* kh = kb + ((first + head) / group) * d;
       float* sg = scores.data() + head * len + start;
       int64_t t = 0;
       for (; t + 16 <= count; t += 16) {
@@ -306,27 +315,28 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   // Softmax's shift: each head's largest score. The exponentials are taken block by block in
   // the V pass below, 16 lanes at a time, where the weights are used (no pass of their own
   // over the scores: 64 x 300-token contexts x 24 layers, 21.9 -> 21.4 ms).
-  for (int64_t head = 0; head < hq; ++head)
+  for (int64_t head = 0; head < heads; ++head)
     shift[head] = _mm512_set1_ps(max16(scores.data() + head * len, len));
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-    const uint16_t* vb = v_cache + table[b] * block_size * slot_stride;
-    const uint16_t* next =
-        start + block_size < len ? v_cache + table[b + 1] * block_size * slot_stride : nullptr;
+    const uint16_t* vb = v_cache + table[b] * block_size * slot_stride + h0 * d;
+    const uint16_t* next = start + block_size < len
+                               ? v_cache + table[b + 1] * block_size * slot_stride + h0 * d
+                               : nullptr;
     const int64_t count = std::min(block_size, len - start);
-    for (int64_t t = 0; t < count; ++t) {  // every head's V rows widened to fp32 once
-      for (int c = 0; c < slot_vectors; ++c)
-        rows[t * slot_vectors + c] = _mm512_cvtpbh_ps(
+    for (int64_t t = 0; t < count; ++t) {  // the task's heads' V rows widened to fp32 once
+      for (int c = 0; c < row_vectors; ++c)
+        rows[t * row_vectors + c] = _mm512_cvtpbh_ps(
             (__m256bh)_mm256_loadu_si256((const __m256i*)(vb + t * slot_stride + 16 * c)));
     }
-    for (int64_t head = 0; head < hq; ++head) {
-      prefetch_share(next, head, slots_per_head, block_size, slot_stride, slot_stride);
+    for (int64_t head = 0; head < heads; ++head) {
+      prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
       alignas(64) float w[16];  // this block's softmax weights (unnormalised) of the head
       const __mmask16 live = tail_mask(count);
       const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
           _mm512_maskz_loadu_ps(live, scores.data() + head * len + start), shift[head])));
       total[head] = _mm512_add_ps(total[head], e);
       _mm512_store_ps(w, e);
-      const __m512* rh = rows.data() + (head / group) * VC;
+      const __m512* rh = rows.data() + ((first + head) / group - h0) * VC;
       // Heads of up to 128: two sets of accumulators (even and odd positions), twice the
       // independent FMA chains, so the FMA units are not waiting on the previous position's
       // sums (4-cycle latency). Heads of 256 have 16 chains in one set, and two sets took all
@@ -338,25 +348,25 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
         for (; t + 2 <= count; t += 2) {
           const __m512 w0 = _mm512_set1_ps(w[t]), w1 = _mm512_set1_ps(w[t + 1]);
           for (int c = 0; c < VC; ++c) {
-            a[c] = _mm512_fmadd_ps(w0, rh[t * slot_vectors + c], a[c]);
-            o[c] = _mm512_fmadd_ps(w1, rh[(t + 1) * slot_vectors + c], o[c]);
+            a[c] = _mm512_fmadd_ps(w0, rh[t * row_vectors + c], a[c]);
+            o[c] = _mm512_fmadd_ps(w1, rh[(t + 1) * row_vectors + c], o[c]);
           }
         }
       }
       for (; t < count; ++t) {
         const __m512 w0 = _mm512_set1_ps(w[t]);
-        for (int c = 0; c < VC; ++c) a[c] = _mm512_fmadd_ps(w0, rh[t * slot_vectors + c], a[c]);
+        for (int c = 0; c < VC; ++c) a[c] = _mm512_fmadd_ps(w0, rh[t * row_vectors + c], a[c]);
       }
       for (int c = 0; c < VC; ++c) acc[head * VC + c] = _mm512_add_ps(a[c], o[c]);
     }
   }
-  for (int64_t head = 0; head < hq; ++head) {
+  for (int64_t head = 0; head < heads; ++head) {
     const float sum = _mm512_reduce_add_ps(total[head]);  // as softmax_rows: 0 for no context
     const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
     for (int c = 0; c < VC; c += 2) {  // two fp32 vectors -> one of 32 bf16 (nearest even)
       const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[head * VC + c + 1], inv),
                                                 _mm512_mul_ps(acc[head * VC + c], inv));
-      _mm512_storeu_si512(out + head * d + 16 * c, (__m512i)pair);
+      _mm512_storeu_si512(out + (first + head) * d + 16 * c, (__m512i)pair);
     }
   }
 }
@@ -396,6 +406,10 @@ int decode_all(T* out, const T* q, int64_t q_stride, T* k_cache, T* v_cache,
   // and the heads' tasks on different cores each pulled the whole block from memory (the
   // prefetchers fetch the neighbouring lines); in one task they are read once.
   // 64 x 264-token contexts x 24 layers from a DRAM-sized cache: 45.5 -> 34.8 ms, 2 threads.
+  // With fewer sequences than threads (batch 1) that left cores idle: each sequence's KV heads
+  // are then split into up to threads / n ranges, one task each.
+  const int64_t threads = omp_get_max_threads();
+  const int64_t parts = n < threads ? std::min(hkv, (threads + n - 1) / n) : 1;
 #pragma omp parallel
   {
     if (fresh.k != nullptr) {
@@ -408,9 +422,11 @@ int decode_all(T* out, const T* q, int64_t q_stride, T* k_cache, T* v_cache,
       }  // the loop's barrier: every new row is in place before any sequence reads
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t task = 0; task < n * parts; ++task) {
+      const int64_t i = task / parts, part = task % parts;
       one(out + i * hq * d, q + i * q_stride, k_cache, v_cache, tables + i * table_width,
-          lens[i], hq, hkv, d, block_size, scale);
+          lens[i], hq, hkv, d, block_size, scale, hkv * part / parts, hkv * (part + 1) / parts);
+    }
   }
   return 0;
 }
