@@ -137,3 +137,31 @@ def test_the_check_has_power(logits, counts):
         assert not np.array_equal(probs > 0, reference_probs(z[row], ROWS[row]) > 0), p
         impossible = counts[row][probs == 0].sum() > 0
         assert impossible or chi_square_p_value(counts[row], probs) < ALPHA / len(ROWS), p
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_p=0.5),
+                                    dict(temperature=0.9, min_p=0.05, top_p=0.7)],
+                         ids=["top_p", "min_p+top_p"])
+def test_top_p_cut_through_tied_logits(kernel, params):
+    """A wide row whose logits come in 16 tied levels of 128 tokens (shuffled), top_p cutting
+    through a level: the reference keeps that level's lowest token ids first (a stable sort),
+    and so must the draw. The native kernel finds the nucleus through a histogram of the logits
+    (a whole level in one bin): this is its edge bin holding many tied entries."""
+    levels, per_level = 16, 128
+    vocab = levels * per_level
+    gen = torch.Generator().manual_seed(5)
+    row = (-0.25 * torch.arange(levels).repeat_interleave(per_level))[torch.randperm(vocab,
+                                                                                  generator=gen)]
+    probs = reference_probs(row.numpy(), params)
+    kept = probs > 0
+    level_kept = [int(kept[row.numpy() == -0.25 * k].sum()) for k in range(levels)]
+    assert any(0 < n < per_level for n in level_kept), level_kept  # the cut splits a level
+    draws = 8_000
+    sp = SamplingParams(max_tokens=1, **params)
+    tokens = [t.token_id for t in sample(row[None].repeat(draws, 1),
+                                          [SamplingRow(sp, [1], [], None)] * draws,
+                                          default_generator=torch.Generator().manual_seed(9),
+                                          kernel=kernel)]
+    counts = np.bincount(np.array(tokens), minlength=vocab)
+    assert counts[~kept].sum() == 0, "drew a token the filters exclude"
+    assert chi_square_p_value(counts, probs) > ALPHA

@@ -213,7 +213,11 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     if all(p.top_k == 0 for p in params) and all(p.top_p >= 1.0 for p in params):
         return logits
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    # ascending, tied logits in descending token order: top_p drops from this end, so among
+    # tied tokens at the cut the lowest ids are kept (a stable descending sort's ranking, the
+    # native kernel's and the reference's), not whichever an unstable sort left last
+    descending, order = logits.sort(dim=-1, descending=True, stable=True)
+    sorted_logits, order = descending.flip(-1), order.flip(-1)
     k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).clamp(max=vocab)
     kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -float("inf"))

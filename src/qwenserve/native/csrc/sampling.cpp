@@ -15,6 +15,8 @@
 //           mass left by min_p and top_k (the reference's ascending cumsum <= 1 - top_p drop)
 //
 // Without top_k/top_p no candidate list is built: the row's exp-sum, then a walk to u * sum.
+// top_p without top_k finds its nucleus through a histogram of the scaled logits (top_p_draw):
+// only the entries of the bin where the cut falls are ordered.
 // Plain C++ over raw pointers, called through ctypes (see decode_attention.cpp); built with the
 // FAST_MATH flags so the reductions vectorise; exp_approx (vec_math.h) vectorises with them.
 #include <algorithm>
@@ -162,41 +164,81 @@ std::vector<Candidate> top_k_candidates(const float* x, int64_t n, int64_t k) {
   return out;
 }
 
-// Entries with delta >= cut, in descending order.
-// Entries with delta >= cut, unordered.
-std::vector<Candidate> candidates_above(const float* x, int64_t n, float m, float scale, float cut) {
-  std::vector<Candidate> out;
-  for (int64_t j = 0; j < n; ++j)
-    if ((x[j] - m) * scale >= cut) out.push_back({x[j], j});
-  return out;
+// top_p without top_k: the nucleus found through a histogram of delta over [-kRange, 0] (every
+// entry below in the last bin) instead of ordering candidates, which for a flat row (a
+// random-weight model, or temperature 1 over a wide vocabulary) meant ordering most of it: 64
+// rows of a 248k vocabulary took 240 ms. One pass takes each entry's weight into its bin;
+// the bins above the one where the kept mass reaches top_p * mass are kept whole; that bin's
+// entries are ordered (value descending, then index, as the reference's sort) and kept while
+// the mass before them is < top_p * mass. The draw then walks the row in index order over the
+// kept entries (a distribution-preserving order: the kept set and weights are the reference's).
+constexpr int64_t kBins = 4096;
+constexpr float kRange = 32.f;  // e^-32: 1.3e-14 of the maximum's weight
+
+inline int64_t bin_of(float d) {  // d <= 0
+  const float b = -d * (static_cast<float>(kBins - 1) / kRange);
+  return b < static_cast<float>(kBins - 1) ? static_cast<int64_t>(b) : kBins - 1;
 }
 
-// The nucleus of unordered candidates without sorting them: a quickselect on the descending
-// order (value, then index) that carries the mass ranked before the undecided range. Moves the
-// kept entries to the front and returns how many they are (each entry whose preceding mass is
-// < bound), or 0 when all the candidates together hold less than bound.
-size_t nucleus_select(std::vector<Candidate>& c, float m, float scale, double bound) {
-  auto w = [&](const Candidate& e) { return static_cast<double>(exp_approx((e.value - m) * scale)); };
-  size_t lo = 0, hi = c.size();
-  double before = 0.0;  // mass of c[0, lo): all kept
-  while (hi - lo > 32) {
-    const size_t mid = lo + (hi - lo) / 2;
-    std::nth_element(c.begin() + lo, c.begin() + mid, c.begin() + hi, descending);
-    double upper = 0.0;  // c[lo, mid) ranks before c[mid]
-    for (size_t i = lo; i < mid; ++i) upper += w(c[i]);
-    if (before + upper >= bound) {
-      hi = mid;  // the cut falls inside the upper part: c[mid] onwards are dropped
-    } else {
-      before += upper + w(c[mid]);  // the upper part and the pivot are all kept
-      lo = mid + 1;
+int64_t top_p_draw(const float* x, int64_t n, float m, float scale, float cut, float top_p,
+                   double u) {
+  static thread_local std::vector<double> bins;
+  bins.assign(kBins, 0.0);
+  alignas(64) float w[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) w[j] = weight(x[b + j], m, scale, cut);
+    for (int64_t j = 0; j < len; ++j)
+      if (w[j] > 0.f) bins[bin_of((x[b + j] - m) * scale)] += w[j];
+  }
+  double mass = 0.0;
+  for (double v : bins) mass += v;
+  const double bound = static_cast<double>(top_p) * mass;
+  int64_t edge = -1;    // the bin where the preceding mass reaches bound
+  double before = 0.0;  // the mass of the bins above it: all kept
+  for (int64_t i = 0; i < kBins && edge < 0; ++i) {
+    if (before + bins[i] >= bound)
+      edge = i;
+    else
+      before += bins[i];
+  }
+  if (edge < 0) return draw_row(x, n, m, scale, cut, u);  // rounding: keep every entry
+  std::vector<Candidate> c;  // the edge bin's entries (weight > 0), ordered
+  for (int64_t j = 0; j < n; ++j) {
+    const float d = (x[j] - m) * scale;  // (below the last bin's top, only weights > 0 count)
+    if (d >= cut && bin_of(d) == edge && (edge < kBins - 1 || weight(x[j], m, scale, cut) > 0.f))
+      c.push_back({x[j], j});
+  }
+  std::sort(c.begin(), c.end(), descending);
+  size_t keep = 0;  // the first always (the mass before it, the bins above, is < bound)
+  while (keep < c.size() && (keep == 0 || before < bound))
+    before += exp_approx((c[keep++].value - m) * scale);
+  // Kept: the entries ranked up to the edge bin's last kept one (value, then index), i.e. the
+  // bins above whole and that bin's first `keep`.
+  const float last = c[keep - 1].value;
+  const int64_t last_index = c[keep - 1].index;
+  const double target = u * before;
+  double cum = 0.0;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      const float v = x[b + j];
+      w[j] = v > last || (v == last && b + j <= last_index) ? weight(v, m, scale, cut) : 0.f;
     }
+    float block = 0.f;
+#pragma omp simd reduction(+ : block)
+    for (int64_t j = 0; j < len; ++j) block += w[j];
+    if (cum + block > target) {
+      for (int64_t j = 0; j < len; ++j) {
+        cum += w[j];
+        if (w[j] > 0.f && cum > target) return b + j;
+      }
+    }
+    cum += block;  // (after a walk that missed by rounding: go on with the block's sum)
   }
-  std::sort(c.begin() + lo, c.begin() + hi, descending);
-  for (size_t i = lo; i < hi; ++i) {
-    if (before >= bound) return i;
-    before += w(c[i]);
-  }
-  return before >= bound ? hi : 0;
+  return c[0].index;  // rounding let the walk miss: the edge bin's likeliest entry
 }
 
 // How many of the descending candidates top_p keeps, given the mass they are a share of; 0
@@ -247,15 +289,7 @@ int64_t sample_row(const float* x, int64_t n, float temperature, int64_t top_k, 
     const size_t keep = top_p < 1.f ? nucleus_size(c, m, scale, mass, top_p) : c.size();
     return draw_candidates(c, keep ? keep : c.size(), m, scale, u);
   }
-  // top_p alone: gather the likeliest entries under a falling threshold until they hold top_p
-  // of the mass (one round for a peaked distribution, the whole row at worst).
-  mass = row_mass(x, n, m, scale, cut);
-  for (float floor : {-8.f, -16.f, -32.f, kNegInf}) {
-    c = candidates_above(x, n, m, scale, std::max(floor, cut));
-    const size_t keep = nucleus_select(c, m, scale, static_cast<double>(top_p) * mass);
-    if (keep) return draw_candidates(c, keep, m, scale, u);
-  }
-  return draw_candidates(c, c.size(), m, scale, u);  // rounding: keep everything
+  return top_p_draw(x, n, m, scale, cut, top_p, u);
 }
 
 // One draw per row; fp32 rows are read in place, bf16 rows (the LM head's own dtype) widened
@@ -269,6 +303,7 @@ int sample_rows(int64_t* out, const T* logits, int64_t rows, int64_t vocab, int6
   if (rows < 0 || vocab <= 0 || (row_stride != 0 && row_stride < vocab)) return 1;
 #pragma omp parallel
   {
+    const FlushSubnormals ftz;
     std::vector<float> widened(std::is_same_v<T, float> ? 0 : vocab);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < rows; ++r) {

@@ -8,8 +8,27 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace {
+
+// Flushes subnormal results and inputs to zero on this thread while it lives, restoring the
+// caller's mode after: Intel cores take a microcode assist per subnormal operand. The Gated
+// DeltaNet chunked prefill's decays (exp of summed log gates) underflow into subnormals (a
+// Qwen3.5-0.8B-shaped step took 6.9 s on a Sapphire Rapids Xeon, 78% of it assists); the
+// sampler's top-p draw pass ran 2x slower without it. Values below 1.2e-38 change nothing a
+// bf16 or fp32 model can show, nor a sampling weight relative to the row's largest (1). Set
+// per call, not per process (as -ffast-math's start-up code would), so torch's own maths is
+// untouched.
+struct FlushSubnormals {
+#if defined(__SSE__)
+  unsigned int saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8040u); }  // FTZ | DAZ
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+#endif
+};
 
 // a * b + c, fused where the machine has FMA (SiLU's result is not bit-exact anyway; the
 // library's -ffp-contract=off keeps the other kernels exact).
