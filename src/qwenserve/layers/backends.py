@@ -64,6 +64,13 @@ class SamplingKernel(Protocol):
     def draw(self, logits: torch.Tensor, temperature: list[float], top_k: list[int],
              top_p: list[float], min_p: list[float], uniform: torch.Tensor) -> torch.Tensor: ...
 
+    def logprobs(self, logits: torch.Tensor, row_index: list[int], token_ids: list[int],
+                 num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Of the raw logits' rows ``row_index``: the log-probability and rank of each row's
+        token, and its ``num_top`` largest log-probabilities with their ids ([n], [n], [n, k],
+        [n, k]), without a [rows, vocab] log_softmax."""
+        ...
+
 
 def get_sampling_kernel(name: str) -> SamplingKernel | None:
     """The draw called ``name``: None for ``torch_ref`` and where the native one cannot be

@@ -403,16 +403,39 @@ class Sampling:
     DTYPES = {torch.float32: "sample_rows_f32", torch.bfloat16: "sample_rows_bf16"}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {}
+        self._fns, self._logprob_fns = {}, {}
         for dtype, name in self.DTYPES.items():
             fn = getattr(lib, name)
             fn.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _P]
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
+            fn = getattr(lib, name.replace("sample_rows", "logprob_rows"))
+            fn.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P]
+            fn.restype = ctypes.c_int
+            self._logprob_fns[dtype] = fn
 
     def supports(self, logits: torch.Tensor) -> bool:
         return (logits.is_cpu and logits.dtype in self._fns and logits.dim() == 2
                 and logits.stride(1) == 1 and logits.shape[1] > 0)
+
+    def logprobs(self, logits: torch.Tensor, row_index: list[int], token_ids: list[int],
+                 num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows ``row_index`` of logits [B, V] (``supports``): each row's token's logprob and
+        rank, and its ``num_top`` best (logprobs, ids) ([n], [n], [n, k], [n, k]); ids past the
+        vocabulary are refused."""
+        n = len(row_index)
+        rows = torch.tensor(row_index, dtype=torch.int64)
+        chosen = torch.tensor(token_ids, dtype=torch.int64)
+        chosen_lp, rank = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int64)
+        top_lp = torch.empty(n, num_top, dtype=torch.float32)
+        top_id = torch.empty(n, num_top, dtype=torch.int64)
+        if self._logprob_fns[logits.dtype](
+                logits.data_ptr(), n, logits.shape[1], logits.stride(0), rows.data_ptr(),
+                chosen.data_ptr(), num_top, chosen_lp.data_ptr(), rank.data_ptr(),
+                top_lp.data_ptr(), top_id.data_ptr()):
+            raise ValueError(f"logprob_rows: bad arguments for logits {tuple(logits.shape)} "
+                             f"(token ids {token_ids}, {num_top} top)")
+        return chosen_lp, rank, top_lp, top_id
 
     def draw(self, logits: torch.Tensor, temperature: list[float], top_k: list[int],
              top_p: list[float], min_p: list[float], uniform: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     logprobs, an edit or the PyTorch draw) -> one SampledToken per row. ``bitmask``
     [B, ceil(V / 32)] int32: the grammar's allowed tokens per row (all ones for rows without a
     grammar). ``kernel``: the platform's draw, for the logits it ``supports``."""
-    logprobs, logits = process_logits(logits, rows, bitmask)
+    logprobs, logits = process_logits(logits, rows, bitmask, kernel)
     if kernel is not None and kernel.supports(logits):
         token_ids = _draw_with_kernel(kernel, logits, rows, default_generator)
     else:
@@ -66,18 +66,48 @@ def _draw_with_kernel(kernel: SamplingKernel, logits: torch.Tensor, rows: list[S
                        [p.min_p for p in params], uniform)
 
 
+@dataclass
+class Logprobs:
+    """The raw logits' log-probabilities, computed for the rows and tokens a response reports
+    (``package``): through the platform's kernel where it takes the logits (no [rows, vocab]
+    log_softmax: 64 rows of a 152k vocabulary 70 -> a few ms a step), else
+    ``torch.log_softmax`` of the float32 rows. Sliced by rows for the speculative verifier."""
+
+    logits: torch.Tensor  # [B, V] raw, as the model produced them
+    kernel: SamplingKernel | None = None
+
+    def __getitem__(self, rows: slice) -> Logprobs:
+        return Logprobs(self.logits[rows], self.kernel)
+
+    def of(self, row_index: list[int], token_ids: list[int], num_top: int
+           ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+        """Per row: its token's logprob, its rank (1 = likeliest) and the ``num_top`` best
+        (id, logprob), most likely first."""
+        if self.kernel is not None and self.kernel.supports(self.logits):
+            chosen, rank, top_lp, top_id = self.kernel.logprobs(self.logits, row_index,
+                                                                token_ids, num_top)
+        else:
+            lp = torch.log_softmax(self.logits[row_index].float(), dim=-1)  # [n, V]
+            ids = torch.tensor(token_ids, device=lp.device).unsqueeze(1)
+            chosen = lp.gather(1, ids).squeeze(1)
+            rank = (lp > chosen.unsqueeze(1)).sum(dim=1).add_(1)
+            top_lp, top_id = lp.topk(num_top, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(top_id.tolist(), top_lp.tolist())]
+        return chosen.tolist(), rank.tolist(), top
+
+
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
-                   bitmask: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(logprobs of the raw logits when a row asks for them, the logits after the processors,
+                   bitmask: torch.Tensor | None = None, kernel: SamplingKernel | None = None
+                   ) -> tuple[Logprobs | None, torch.Tensor]:
+    """(the raw logits' logprobs when a row asks for them, the logits after the processors,
     the bitmask and the penalties): everything before the draw, shared with the speculative
     verifier (``spec_decode/rejection.py``)."""
     edits = _edits_logits(rows, bitmask)
-    wants_logprobs = any(r.params.logprobs is not None for r in rows)
-    widened = logits.dtype != torch.float32 and (edits or wants_logprobs)
-    if widened:  # bf16 logits: one float32 copy serves the logprobs and the edits
+    logprobs = Logprobs(logits, kernel) if any(r.params.logprobs is not None for r in rows) \
+        else None
+    widened = logits.dtype != torch.float32 and edits
+    if widened:  # bf16 logits: the edits go into a float32 copy
         logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     if not edits:
         return logprobs, logits  # the draw only reads them: no copy of [B, V]
     if not widened:
@@ -250,24 +280,17 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def package(token_ids: torch.Tensor, logprobs: torch.Tensor | None,
-             rows: list[SamplingRow]) -> list[SampledToken]:
+def package(token_ids: torch.Tensor, logprobs: Logprobs | None,
+            rows: list[SamplingRow]) -> list[SampledToken]:
     ids = token_ids.tolist()
-    if logprobs is None:
-        return [SampledToken(t) for t in ids]
-    out = []
-    for i, (t, r) in enumerate(zip(ids, rows)):
-        if r.params.logprobs is None:
-            out.append(SampledToken(t))
-            continue
-        row = logprobs[i]
-        chosen = row[t].item()
-        rank = int((row > chosen).sum().item()) + 1
-        top = []
-        if r.params.logprobs:
-            values, indices = row.topk(r.params.logprobs)
-            top = list(zip(indices.tolist(), values.tolist()))
-        out.append(SampledToken(t, chosen, rank, top))
+    out = [SampledToken(t) for t in ids]
+    wanting = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if logprobs is None or not wanting:
+        return out
+    num_top = max(rows[i].params.logprobs or 0 for i in wanting)
+    chosen, ranks, tops = logprobs.of(wanting, [ids[i] for i in wanting], num_top)
+    for i, lp, rank, top in zip(wanting, chosen, ranks, tops, strict=True):
+        out[i] = SampledToken(ids[i], lp, rank, top[: rows[i].params.logprobs])
     return out
 
 

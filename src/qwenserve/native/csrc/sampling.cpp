@@ -322,6 +322,68 @@ int sample_rows(int64_t* out, const T* logits, int64_t rows, int64_t vocab, int6
   return 0;
 }
 
+// The raw logits' log-probabilities a response reports, without a [rows, vocab] log_softmax:
+// per row the log of its exp-sum (lp_j = (x_j - max) - log sum), the chosen token's lp and
+// rank (1 + the entries with a larger logit), and the k largest (value descending, then token
+// id). Two passes over the row plus the top-k scan, which compares each entry against the
+// current k-th only.
+void logprob_row(const float* x, int64_t n, int64_t chosen, int64_t k, float* chosen_lp,
+                 int64_t* rank, float* top_lp, int64_t* top_id) {
+  const float m = row_max(x, n);
+  const float log_sum = static_cast<float>(std::log(row_mass(x, n, m, 1.f, kNegInf)));
+  auto lp = [&](float v) { return (v - m) - log_sum; };
+  // the rank counts larger logits: the same order as the log-probabilities', and exact (a
+  // recomputed lp of the chosen token could differ in its last bit under the reassociating
+  // flags this library is built with, and count itself)
+  const float xc = x[chosen];
+  int64_t above = 0;
+#pragma omp simd reduction(+ : above)
+  for (int64_t j = 0; j < n; ++j) above += x[j] > xc ? 1 : 0;
+  *chosen_lp = lp(xc);
+  *rank = above + 1;
+  if (k <= 0) return;
+  std::vector<Candidate> best;  // descending; at most k
+  best.reserve(k + 1);
+  for (int64_t j = 0; j < n; ++j) {
+    if (static_cast<int64_t>(best.size()) == k && !(x[j] > best.back().value)) continue;
+    const Candidate e{x[j], j};
+    best.insert(std::upper_bound(best.begin(), best.end(), e, descending), e);
+    if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+  }
+  for (size_t i = 0; i < best.size(); ++i) top_lp[i] = lp(best[i].value), top_id[i] = best[i].index;
+  for (int64_t i = static_cast<int64_t>(best.size()); i < k; ++i)
+    top_lp[i] = kNegInf, top_id[i] = -1;  // (k > vocab)
+}
+
+template <typename T>
+int logprob_rows(const T* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                 const int64_t* row_index, const int64_t* chosen, int64_t k, float* chosen_lp,
+                 int64_t* rank, float* top_lp, int64_t* top_id) {
+  if (rows < 0 || vocab <= 0 || row_stride < vocab || k < 0) return 1;
+  for (int64_t r = 0; r < rows; ++r)
+    if (chosen[r] < 0 || chosen[r] >= vocab) return 1;
+#pragma omp parallel
+  {
+    const FlushSubnormals ftz;
+    std::vector<float> widened(std::is_same_v<T, float> ? 0 : vocab);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = logits + row_index[r] * row_stride;
+      const float* row;
+      if constexpr (std::is_same_v<T, float>) {
+        row = src;
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < vocab; ++j) widened[j] = to_float(src[j]);
+        row = widened.data();
+      }
+      logprob_row(row, vocab, chosen[r], k, chosen_lp + r, rank + r, top_lp + r * k,
+                  top_id + r * k);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -341,6 +403,22 @@ int sample_rows_bf16(int64_t* out, const uint16_t* logits, int64_t rows, int64_t
                      const float* top_p, const float* min_p, const double* uniform) {
   return sample_rows(out, logits, rows, vocab, row_stride, temperature, top_k, top_p, min_p,
                      uniform);
+}
+
+// Per row r (logits row row_index[r]): chosen_lp[r] and rank[r] of token chosen[r], and the k
+// largest log-probabilities in top_lp / top_id [rows, k]. 1: bad arguments (nothing written).
+int logprob_rows_f32(const float* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                     const int64_t* row_index, const int64_t* chosen, int64_t k,
+                     float* chosen_lp, int64_t* rank, float* top_lp, int64_t* top_id) {
+  return logprob_rows(logits, rows, vocab, row_stride, row_index, chosen, k, chosen_lp, rank,
+                      top_lp, top_id);
+}
+
+int logprob_rows_bf16(const uint16_t* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                      const int64_t* row_index, const int64_t* chosen, int64_t k,
+                      float* chosen_lp, int64_t* rank, float* top_lp, int64_t* top_id) {
+  return logprob_rows(logits, rows, vocab, row_stride, row_index, chosen, k, chosen_lp, rank,
+                      top_lp, top_id);
 }
 
 }  // extern "C"
