@@ -292,33 +292,42 @@ int64_t sample_row(const float* x, int64_t n, float temperature, int64_t top_k, 
   return top_p_draw(x, n, m, scale, cut, top_p, u);
 }
 
-// One draw per row; fp32 rows are read in place, bf16 rows (the LM head's own dtype) widened
-// exactly (to_float) into a per-thread buffer that stays in cache, where the caller's
-// `logits.float()` wrote a whole [rows, vocab] fp32 copy to memory (64 x 151,936 logits: 4 ms a
-// decode step).
-template <typename T>
-int sample_rows(int64_t* out, const T* logits, int64_t rows, int64_t vocab, int64_t row_stride,
-                const float* temperature, const int64_t* top_k, const float* top_p,
-                const float* min_p, const double* uniform) {
-  if (rows < 0 || vocab <= 0 || (row_stride != 0 && row_stride < vocab)) return 1;
+// fn(r, row) for each of `rows` rows on the threads, row the fp32 values of logits row
+// row_of(r): fp32 rows are read in place, bf16 rows (the LM head's own dtype) widened exactly
+// (to_float) into a per-thread buffer that stays in cache, where the caller's `logits.float()`
+// wrote a whole [rows, vocab] fp32 copy to memory (64 x 151,936 logits: 4 ms a decode step).
+template <typename T, typename RowOf, typename Fn>
+void for_rows(const T* logits, int64_t rows, int64_t vocab, int64_t row_stride, RowOf row_of,
+              Fn fn) {
 #pragma omp parallel
   {
     const FlushSubnormals ftz;
     std::vector<float> widened(std::is_same_v<T, float> ? 0 : vocab);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < rows; ++r) {
-      const T* src = logits + r * row_stride;
-      const float* row;
+      const T* src = logits + row_of(r) * row_stride;
       if constexpr (std::is_same_v<T, float>) {
-        row = src;
+        fn(r, src);
       } else {
 #pragma omp simd
         for (int64_t j = 0; j < vocab; ++j) widened[j] = to_float(src[j]);
-        row = widened.data();
+        fn(r, widened.data());
       }
-      out[r] = sample_row(row, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r]);
     }
   }
+}
+
+// One draw per row.
+template <typename T>
+int sample_rows(int64_t* out, const T* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                const float* temperature, const int64_t* top_k, const float* top_p,
+                const float* min_p, const double* uniform) {
+  if (rows < 0 || vocab <= 0 || (row_stride != 0 && row_stride < vocab)) return 1;
+  for_rows(logits, rows, vocab, row_stride, [](int64_t r) { return r; },
+           [&](int64_t r, const float* row) {
+             out[r] = sample_row(row, vocab, temperature[r], top_k[r], top_p[r], min_p[r],
+                                 uniform[r]);
+           });
   return 0;
 }
 
@@ -362,25 +371,11 @@ int logprob_rows(const T* logits, int64_t rows, int64_t vocab, int64_t row_strid
   if (rows < 0 || vocab <= 0 || row_stride < vocab || k < 0) return 1;
   for (int64_t r = 0; r < rows; ++r)
     if (chosen[r] < 0 || chosen[r] >= vocab) return 1;
-#pragma omp parallel
-  {
-    const FlushSubnormals ftz;
-    std::vector<float> widened(std::is_same_v<T, float> ? 0 : vocab);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* src = logits + row_index[r] * row_stride;
-      const float* row;
-      if constexpr (std::is_same_v<T, float>) {
-        row = src;
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < vocab; ++j) widened[j] = to_float(src[j]);
-        row = widened.data();
-      }
-      logprob_row(row, vocab, chosen[r], k, chosen_lp + r, rank + r, top_lp + r * k,
-                  top_id + r * k);
-    }
-  }
+  for_rows(logits, rows, vocab, row_stride, [&](int64_t r) { return row_index[r]; },
+           [&](int64_t r, const float* row) {
+             logprob_row(row, vocab, chosen[r], k, chosen_lp + r, rank + r, top_lp + r * k,
+                         top_id + r * k);
+           });
   return 0;
 }
 
