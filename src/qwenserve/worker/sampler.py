@@ -37,8 +37,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
            default_generator: torch.Generator | None = None,
            bitmask: torch.Tensor | None = None,
            kernel: SamplingKernel | None = None) -> list[SampledToken]:
-    """logits [B, V] float32, or the LM head's bf16 / fp16 (widened to float32 only for
-    logprobs, an edit or the PyTorch draw) -> one SampledToken per row. ``bitmask``
+    """logits [B, V] float32, or the LM head's bf16 / fp16 (widened to float32 only for an
+    edit, the PyTorch draw or the PyTorch logprobs) -> one SampledToken per row. ``bitmask``
     [B, ceil(V / 32)] int32: the grammar's allowed tokens per row (all ones for rows without a
     grammar). ``kernel``: the platform's draw, for the logits it ``supports``."""
     logprobs, logits = process_logits(logits, rows, bitmask, kernel)
