@@ -317,9 +317,11 @@ class ModelRunner:
         for start in range(0, len(scoring.target_token_ids), PROMPT_LOGPROBS_ROWS):
             targets = scoring.target_token_ids[start : start + PROMPT_LOGPROBS_ROWS]
             first = scoring.first_row + start
-            logits = self.model.compute_logits(hidden[first : first + len(targets)])
+            # as the LM head gives them (bf16 in a bf16 model): the logprobs widen what they read
+            logits = self.model.compute_logits(hidden[first : first + len(targets)], None)
             if self.is_driver:
-                entries += prompt_logprobs(logits, targets, scoring.num_logprobs)
+                entries += prompt_logprobs(logits, targets, scoring.num_logprobs,
+                                           self.sampling_kernel)
         return entries
 
     def _sampling_row(self, request_id: str, drafts: list[int] | None = None) -> SamplingRow:

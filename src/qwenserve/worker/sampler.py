@@ -294,18 +294,13 @@ def package(token_ids: torch.Tensor, logprobs: Logprobs | None,
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, target_ids: list[int],
-                    num_top: int) -> list[SampledToken]:
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], num_top: int,
+                    kernel: SamplingKernel | None = None) -> list[SampledToken]:
     """logits [T, V] of consecutive prompt positions -> for each, the logprob and rank of the
-    prompt token that follows (``target_ids``) and the ``num_top`` best (raw logits, as vLLM)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    targets = torch.tensor(target_ids, device=logits.device).unsqueeze(1)  # [T, 1]
-    chosen = logprobs.gather(1, targets)  # [T, 1]
-    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
-    top: list[list[tuple[int, float]]] = [[] for _ in target_ids]
-    if num_top:
-        values, indices = logprobs.topk(num_top, dim=-1)
-        top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    prompt token that follows (``target_ids``) and the ``num_top`` best (raw logits, as vLLM),
+    through the platform's kernel where it takes the logits (256 positions of a 152k
+    vocabulary: 170-200 -> 21-35 ms)."""
+    chosen, ranks, tops = Logprobs(logits, kernel).of(list(range(len(target_ids))), target_ids,
+                                                      num_top)
     return [SampledToken(t, lp, r, k)
-            for t, lp, r, k in zip(target_ids, chosen.squeeze(1).tolist(), ranks, top)]
-
+            for t, lp, r, k in zip(target_ids, chosen, ranks, tops, strict=True)]
