@@ -21,17 +21,20 @@ from __future__ import annotations
 import torch
 
 from qwenserve.core.sched_output import SampledToken
+from qwenserve.layers.backends import SamplingKernel
 from qwenserve.worker.sampler import SamplingRow, package, probabilities, process_logits
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
            default_generator: torch.Generator | None = None,
            bitmask: torch.Tensor | None = None,
-           draft_probs: list[torch.Tensor | None] | None = None) -> list[list[SampledToken]]:
+           draft_probs: list[torch.Tensor | None] | None = None,
+           kernel: SamplingKernel | None = None) -> list[list[SampledToken]]:
     """logits [sum(len(d) + 1), V]: each request's k + 1 rows in order (``rows`` likewise).
     Returns per request its accepted drafts followed by one new token (1 to k + 1 tokens).
-    ``draft_probs[i]`` [k, V]: the drafter's distributions (None: deterministic drafts)."""
-    logprobs, processed = process_logits(logits, rows, bitmask)
+    ``draft_probs[i]`` [k, V]: the drafter's distributions (None: deterministic drafts).
+    ``kernel``: the platform's sampling kernel, for the logprobs a row asks for."""
+    logprobs, processed = process_logits(logits, rows, bitmask, kernel)
     greedy_ids = processed.argmax(dim=-1).tolist()
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = None

@@ -247,7 +247,8 @@ class ModelRunner:
             row_ids += [c.request_id] * (len(draft) + 1)
         bitmask = None if self.grammars is None else self.grammars.bitmask(
             row_ids, logits.shape[1])
-        return verify(logits.float(), rows, drafts, self.generator, bitmask)
+        return verify(logits.float(), rows, drafts, self.generator, bitmask,
+                      kernel=self.sampling_kernel)
 
     def _draftable(self, chunks: list[ScheduledChunk]) -> list[str]:
         """Requests to draft for: not grammar-constrained (their drafts would have to be
