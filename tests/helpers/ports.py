@@ -7,10 +7,11 @@ import socket
 
 
 def free_port() -> int:
-    """A port nobody listens on right now (the caller binds it; only the engine holds its own)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nobody listens on right now, below the ephemeral range (see free_port_block): a
+    client that retries connecting to a loopback port in that range before its server is up
+    (a health poll, a headless node waiting for its head) can be given that very port as its
+    source and connect to itself, holding the port when the server binds ("already in use")."""
+    return free_port_block(1)
 
 
 def free_port_block(count: int) -> int:

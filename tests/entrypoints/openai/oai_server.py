@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from helpers.ports import free_port
 
 API_KEY = "sk-qwenserve-test"
 SERVED = "tiny-qwen"
@@ -42,10 +43,6 @@ def started_together(starts: dict[str, Callable[[], RemoteServer]],
             server.stop(stop_signal)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RemoteServer:

@@ -13,9 +13,10 @@ import time
 
 import psutil
 import pytest
-from oai_server import RemoteServer, free_port
+from oai_server import RemoteServer
 
 from helpers.dp_serving import per_engine
+from helpers.ports import free_port_block
 
 ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "16M",
         "--max-num-batched-tokens", "256"]
@@ -123,7 +124,7 @@ def test_killing_one_engine_takes_the_server_down(dp_server):
 
 
 def test_a_headless_node_joins_the_head_over_loopback(tiny_model_path, tmp_path):
-    port = free_port()
+    port = free_port_block(1)  # below the ephemeral range (see test_data_parallel_expert.py)
     dp_flags = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
                 "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port)]
     node_log = tmp_path / "node.log"
@@ -153,7 +154,7 @@ def test_a_headless_node_joins_the_head_over_loopback(tiny_model_path, tmp_path)
 
 
 def test_a_node_without_a_head_gives_up_with_a_clear_line(tiny_model_path):
-    port = free_port()
+    port = free_port_block(1)
     node = subprocess.run(
         [sys.executable, "-m", "qwenserve.entrypoints.cli", "serve", tiny_model_path, *ARGS,
          "--headless", "--data-parallel-size", "2", "--data-parallel-start-rank", "1",

@@ -16,9 +16,9 @@ import sys
 
 import psutil
 import pytest
-from oai_server import free_port
 
 from helpers.dp_serving import complete_at_once, dp_server, one_engine_reference, per_engine
+from helpers.ports import free_port_block
 
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16M",
         "--max-num-batched-tokens", "64", "--data-parallel-size", "2",
@@ -35,8 +35,11 @@ def head_and_node(moe_path, tmp_path_factory):
     """A head serving rank 0 and a headless node running rank 1; yields (head, node, node log).
     The node may start first: it waits for the head."""
     logs = tmp_path_factory.mktemp("dpep")
+    # below the ephemeral range: the node, started first, retries connecting to the head's port,
+    # and a retry to a loopback port in that range can connect to itself (source port = the
+    # destination) and hold it when the head binds (seen in CI: "already in use")
     flags = [*ARGS, "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-             "--data-parallel-rpc-port", str(free_port())]
+             "--data-parallel-rpc-port", str(free_port_block(1))]
     node_log = logs / "node.log"
     with open(node_log, "w") as log:
         node = subprocess.Popen([sys.executable, "-m", "qwenserve.entrypoints.cli", "serve",

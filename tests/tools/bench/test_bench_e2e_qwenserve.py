@@ -8,7 +8,6 @@ ones the engine processed.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import httpx
 import pytest
 from bench_prom import delta, scrape
 
+from helpers.ports import free_port
+
 SERVED = "tiny-qwen2"
 COUNTERS = (
     "vllm:request_success_total",
@@ -27,10 +28,6 @@ COUNTERS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(proc: subprocess.Popen, base_url: str, log: Path, timeout_s: float = 180) -> None:
