@@ -71,11 +71,24 @@ inline float weight(float x, float m, float scale, float cut) {
   return d >= cut ? exp_approx(d) : 0.f;
 }
 
-float block_mass(const float* x, int64_t n, float m, float scale, float cut) {
+// Which entries count: all of them, or (top_p_draw) those of a nucleus.
+struct KeepAll {
+  bool operator()(int64_t, float) const { return true; }
+};
+
+// The weights of entries first .. first + n - 1 that keep(index, value) counts.
+template <typename Keep>
+float kept_mass(const float* x, int64_t first, int64_t n, float m, float scale, float cut,
+                Keep keep) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < n; ++j) s += weight(x[j], m, scale, cut);
+  for (int64_t j = first; j < first + n; ++j)
+    s += keep(j, x[j]) ? weight(x[j], m, scale, cut) : 0.f;
   return s;
+}
+
+float block_mass(const float* x, int64_t n, float m, float scale, float cut) {
+  return kept_mass(x, 0, n, m, scale, cut, KeepAll{});
 }
 
 double row_mass(const float* x, int64_t n, float m, float scale, float cut) {
@@ -84,18 +97,20 @@ double row_mass(const float* x, int64_t n, float m, float scale, float cut) {
   return total;
 }
 
-// The entry where the running mass first passes ``target``: block masses (``mass``, or
-// computed here) locate the block, and the walk inside it adds the entries' weights.
+// The entry where the running mass of the entries keep() counts first passes ``target``:
+// block masses (``mass``, or computed here) locate the block, and the walk inside it adds the
+// entries' weights.
+template <typename Keep = KeepAll>
 int64_t walk_to(const float* x, int64_t n, float m, float scale, float cut, double target,
-                const double* mass) {
+                const double* mass, Keep keep = {}) {
   double cum = 0.0;
   for (int64_t b = 0, i = 0; b < n; b += kBlock, ++i) {
     const int64_t len = std::min(kBlock, n - b);
-    const double block = mass ? mass[i] : block_mass(x + b, len, m, scale, cut);
+    const double block = mass ? mass[i] : kept_mass(x, b, len, m, scale, cut, keep);
     if (cum + block > target) {
       double walk = cum;
       for (int64_t j = 0; j < len; ++j) {
-        const float w = weight(x[b + j], m, scale, cut);
+        const float w = keep(b + j, x[b + j]) ? weight(x[b + j], m, scale, cut) : 0.f;
         walk += w;
         if (w > 0.f && walk > target) return b + j;
       }
@@ -218,27 +233,9 @@ int64_t top_p_draw(const float* x, int64_t n, float m, float scale, float cut, f
   // bins above whole and that bin's first `keep`.
   const float last = c[keep - 1].value;
   const int64_t last_index = c[keep - 1].index;
-  const double target = u * before;
-  double cum = 0.0;
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t len = std::min(kBlock, n - b);
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) {
-      const float v = x[b + j];
-      w[j] = v > last || (v == last && b + j <= last_index) ? weight(v, m, scale, cut) : 0.f;
-    }
-    float block = 0.f;
-#pragma omp simd reduction(+ : block)
-    for (int64_t j = 0; j < len; ++j) block += w[j];
-    if (cum + block > target) {
-      for (int64_t j = 0; j < len; ++j) {
-        cum += w[j];
-        if (w[j] > 0.f && cum > target) return b + j;
-      }
-    }
-    cum += block;  // (after a walk that missed by rounding: go on with the block's sum)
-  }
-  return c[0].index;  // rounding let the walk miss: the edge bin's likeliest entry
+  return walk_to(x, n, m, scale, cut, u * before, nullptr, [&](int64_t j, float v) {
+    return v > last || (v == last && j <= last_index);
+  });
 }
 
 // How many of the descending candidates top_p keeps, given the mass they are a share of; 0
@@ -334,8 +331,7 @@ int sample_rows(int64_t* out, const T* logits, int64_t rows, int64_t vocab, int6
 // The raw logits' log-probabilities a response reports, without a [rows, vocab] log_softmax:
 // per row the log of its exp-sum (lp_j = (x_j - max) - log sum), the chosen token's lp and
 // rank (1 + the entries with a larger logit), and the k largest (value descending, then token
-// id). Two passes over the row plus the top-k scan, which compares each entry against the
-// current k-th only.
+// id). Two passes over the row plus the top-k scan.
 void logprob_row(const float* x, int64_t n, int64_t chosen, int64_t k, float* chosen_lp,
                  int64_t* rank, float* top_lp, int64_t* top_id) {
   const float m = row_max(x, n);
@@ -351,7 +347,10 @@ void logprob_row(const float* x, int64_t n, int64_t chosen, int64_t k, float* ch
   *chosen_lp = lp(xc);
   *rank = above + 1;
   if (k <= 0) return;
-  std::vector<Candidate> best;  // descending; at most k
+  // The k largest in one scan against the current k-th (top_k_candidates' heap pass and its
+  // second pass for the ties cost ~2 ms more a 64-row step of a 152k vocabulary): descending,
+  // ties by index, as that function orders them.
+  std::vector<Candidate> best;
   best.reserve(k + 1);
   for (int64_t j = 0; j < n; ++j) {
     if (static_cast<int64_t>(best.size()) == k && !(x[j] > best.back().value)) continue;
@@ -359,9 +358,11 @@ void logprob_row(const float* x, int64_t n, int64_t chosen, int64_t k, float* ch
     best.insert(std::upper_bound(best.begin(), best.end(), e, descending), e);
     if (static_cast<int64_t>(best.size()) > k) best.pop_back();
   }
-  for (size_t i = 0; i < best.size(); ++i) top_lp[i] = lp(best[i].value), top_id[i] = best[i].index;
-  for (int64_t i = static_cast<int64_t>(best.size()); i < k; ++i)
-    top_lp[i] = kNegInf, top_id[i] = -1;  // (k > vocab)
+  for (int64_t i = 0; i < k; ++i) {
+    const bool listed = i < static_cast<int64_t>(best.size());
+    top_lp[i] = listed ? lp(best[i].value) : kNegInf;  // (k > vocab: padding)
+    top_id[i] = listed ? best[i].index : -1;
+  }
 }
 
 template <typename T>
