@@ -3,10 +3,10 @@
 //
 // gdn_decode_f32 / gdn_decode_rows: one token per sequence, the state updated in place in its
 //   pool slot (the _rows form also prepares q, k, v from the layer's tensors, and takes bf16
-//   pools: --mamba-ssm-cache-dtype bfloat16). The PyTorch form gathers each state out of the
-//   pool, reads it twice and scatters it back
-//   (about five passes over 1 MiB per sequence and layer); here each (sequence, head) state is
-//   read once for both products and rewritten once while it is still in L2.
+//   and f16 pools: --mamba-ssm-cache-dtype). The PyTorch form gathers each state out of the
+//   pool, reads it twice and scatters it back (about five passes over 1 MiB per sequence and
+//   layer); here each (sequence, head) state is read once for both products and rewritten once
+//   while it is still in L2.
 // gdn_conv_{f32,bf16}: the depthwise causal conv over a varlen batch, history read from and
 //   written back to the conv-state pool, without building the padded copy of the inputs.
 // gdn_chunk_{f32,bf16}: the chunked prefill (below, at chunk_task).
@@ -767,6 +767,29 @@ void decode_rows(typename DT::T* out, typename PT::T* pool, const typename DT::T
   }
 }
 
+// fn(D{}, P{}) for the layer tensors' dtype code dt (0 f32, 1 bf16) and the state pool's pt
+// (0 f32, 1 bf16, 2 f16 where the build has F16C); 1 (fn not called) for another pair.
+template <typename Fn>
+int with_types(int dt, int pt, Fn fn) {
+  auto pool = [&](auto d) {
+    if (pt == 0) {
+      fn(d, F32{});
+    } else if (pt == 1) {
+      fn(d, BF16{});
+#if defined(QS_GDN_F16)
+    } else if (pt == 2) {
+      fn(d, F16{});
+#endif
+    } else {
+      return 1;
+    }
+    return 0;
+  };
+  if (dt == 0) return pool(F32{});
+  if (dt == 1) return pool(BF16{});
+  return 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -809,24 +832,14 @@ int gdn_decode_rows(void* out, void* pool, const void* q, const void* k, const v
                     const float* beta, const int64_t* rows, const int64_t* slots,
                     const uint8_t* has_init, int64_t n, int64_t Hk, int64_t Hv, int64_t Dk,
                     int64_t Dv, int dt, int pt) {
-  auto run = [&](auto d, auto p) {
+  return with_types(dt, pt, [&](auto d, auto p) {
     using D = decltype(d);
     using P = decltype(p);
     decode_rows<D, P>(static_cast<typename D::T*>(out), static_cast<typename P::T*>(pool),
                       static_cast<const typename D::T*>(q), static_cast<const typename D::T*>(k),
                       static_cast<const typename D::T*>(v), q_stride, k_stride, v_stride, g,
                       beta, rows, slots, has_init, n, Hk, Hv, Dk, Dv);
-  };
-  if (dt == 0 && pt == 0) run(F32{}, F32{});
-  else if (dt == 0 && pt == 1) run(F32{}, BF16{});
-  else if (dt == 1 && pt == 0) run(BF16{}, F32{});
-  else if (dt == 1 && pt == 1) run(BF16{}, BF16{});
-#if defined(QS_GDN_F16)
-  else if (dt == 0 && pt == 2) run(F32{}, F16{});
-  else if (dt == 1 && pt == 2) run(BF16{}, F16{});
-#endif
-  else return 1;
-  return 0;
+  });
 }
 
 // Whether this build takes float16 state pools (pool code 2): it needs F16C's conversions.
@@ -867,16 +880,9 @@ void gdn_conv_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, const flo
 // for a combination it does not build.
 int gdn_chunk(const ChunkArgs* args, int dtype, int pool_dtype) {
   if (args->C % 8 || args->Dk % 8 || args->Dv % 8 || args->Hv % args->Hk) return 1;
-  if (dtype == 0 && pool_dtype == 0) chunk_prefill<F32, F32>(*args);
-  else if (dtype == 1 && pool_dtype == 0) chunk_prefill<BF16, F32>(*args);
-  else if (dtype == 0 && pool_dtype == 1) chunk_prefill<F32, BF16>(*args);
-  else if (dtype == 1 && pool_dtype == 1) chunk_prefill<BF16, BF16>(*args);
-#if defined(QS_GDN_F16)
-  else if (dtype == 0 && pool_dtype == 2) chunk_prefill<F32, F16>(*args);
-  else if (dtype == 1 && pool_dtype == 2) chunk_prefill<BF16, F16>(*args);
-#endif
-  else return 1;
-  return 0;
+  return with_types(dtype, pool_dtype, [&](auto d, auto p) {
+    chunk_prefill<decltype(d), decltype(p)>(*args);
+  });
 }
 
 }  // extern "C"
