@@ -273,7 +273,8 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
                      int64_t h1) {
   constexpr int VC = 2 * CH;  // fp32 vectors per head's row
   const int64_t group = hq / hkv, slot_stride = hkv * d;
-  // this task's query heads (local index: head - first) and the width of their K/V columns
+  // this task's query heads (local index: head - first; its KV head h0 + head / group) and the
+  // width of their K/V columns (block rows below start at KV head h0's)
   const int64_t first = h0 * group, heads = (h1 - h0) * group, width = (h1 - h0) * d;
   const int64_t row_vectors = (h1 - h0) * VC;
   // Per-thread buffers, grown as needed and kept (scores: Hq x the longest context seen, 4 MB
@@ -292,7 +293,7 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
       qv[head * CH + c] = (__m512bh)_mm512_loadu_si512(q + (first + head) * d + 32 * c);
   const int64_t slots_per_head = (block_size + heads - 1) / heads;  // prefetch_share's
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-    const uint16_t* kb = k_cache + table[b] * block_size * slot_stride;
+    const uint16_t* kb = k_cache + table[b] * block_size * slot_stride + h0 * d;
     const uint16_t* next = start + block_size < len
                                ? k_cache + table[b + 1] * block_size * slot_stride + h0 * d
                                : nullptr;
@@ -300,7 +301,7 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
       const __m512bh* qg = qv.data() + head * CH;
-      const uint16_t* kh = kb + ((first + head) / group) * d;
+      const uint16_t* kh = kb + (head / group) * d;
       float* sg = scores.data() + head * len + start;
       int64_t t = 0;
       for (; t + 16 <= count; t += 16) {
@@ -336,7 +337,7 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
           _mm512_maskz_loadu_ps(live, scores.data() + head * len + start), shift[head])));
       total[head] = _mm512_add_ps(total[head], e);
       _mm512_store_ps(w, e);
-      const __m512* rh = rows.data() + ((first + head) / group - h0) * VC;
+      const __m512* rh = rows.data() + (head / group) * VC;
       // Heads of up to 128: two sets of accumulators (even and odd positions), twice the
       // independent FMA chains, so the FMA units are not waiting on the previous position's
       // sums (4-cycle latency). Heads of 256 have 16 chains in one set, and two sets took all
