@@ -400,16 +400,16 @@ class Sampling:
     min_p, top_k and top_p with a caller-given uniform per row), reading the logits in place
     (bf16 rows are widened, exactly, in cache: the same draws as for ``logits.float()``)."""
 
-    DTYPES = {torch.float32: "sample_rows_f32", torch.bfloat16: "sample_rows_bf16"}
+    DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the entry points' suffixes
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns, self._logprob_fns = {}, {}
-        for dtype, name in self.DTYPES.items():
-            fn = getattr(lib, name)
+        for dtype, tag in self.DTYPES.items():
+            fn = getattr(lib, f"sample_rows_{tag}")
             fn.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _P, _P]
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
-            fn = getattr(lib, name.replace("sample_rows", "logprob_rows"))
+            fn = getattr(lib, f"logprob_rows_{tag}")
             fn.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P]
             fn.restype = ctypes.c_int
             self._logprob_fns[dtype] = fn
