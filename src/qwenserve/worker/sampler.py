@@ -218,9 +218,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     out_counts = torch.bincount(inverse[num_prompt:], minlength=unique.numel()).to(device)
     row_of, token_of = (unique // vocab).to(device), (unique % vocab).to(device)
     params = [r.params for r in rows]
-    rep = _per_row([p.repetition_penalty for p in params], logits)[row_of]
-    freq = _per_row([p.frequency_penalty for p in params], logits)[row_of]
-    presence = _per_row([p.presence_penalty for p in params], logits)[row_of]
+    rep = _column([p.repetition_penalty for p in params], logits)[row_of, 0]
+    freq = _column([p.frequency_penalty for p in params], logits)[row_of, 0]
+    presence = _column([p.presence_penalty for p in params], logits)[row_of, 0]
     values = logits[row_of, token_of]
     values = torch.where(values > 0, values / rep, values * rep)
     values = (values - freq * out_counts.float()).to(logits.dtype)
@@ -232,10 +232,6 @@ def _in_vocab(token_ids: list[int], vocab: int) -> torch.Tensor:
     """The ids a logit exists for (a placeholder id past the LM head's rows has none)."""
     ids = torch.tensor(token_ids, dtype=torch.long)
     return ids[(ids >= 0) & (ids < vocab)]
-
-
-def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
