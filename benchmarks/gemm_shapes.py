@@ -17,8 +17,12 @@ one torch thread, so other processes' load inflates it less than wall time), the
 With ``--int8`` the routes are the W8A8 GEMM's (int8 x int8 -> int32, as ``Int8Matmul`` runs
 it): ``torch._int_mm`` (oneDNN) and the native kernel, against fp32 oneDNN on the same shape.
 
+With ``--layers L`` every route cycles through L distinct copies of each weight, so that the
+weight comes from memory as a model's layers do (one copy stays in cache); the figure is still
+per call.
+
     python benchmarks/gemm_shapes.py [--m 1,16,64,256,2048] [--threads 1] [--int8]
-        [--routes sgemm,native] [--gflops]
+        [--routes sgemm,native] [--gflops] [--layers 24]
 """
 
 from __future__ import annotations
@@ -56,30 +60,51 @@ def _q(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-1, 1).mul(127).to(torch.int8)
 
 
-def routes(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    wt = w.t().contiguous()
+def routes(w: torch.Tensor, m: int, keep: set[str] | None = None
+           ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The fp32 routes on w (those in keep; None: all), each weight layout made once here."""
+    def wanted(route: str) -> bool:
+        return keep is None or route in keep
+
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "F.linear": lambda x: F.linear(x, w),
         "onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-        "mm_t": lambda x: torch.mm(x, wt),
     }
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
-    out["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, m)
-    blocked = torch.ops.mkldnn._reorder_linear_weight(w, m)
-    out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
-        x, blocked, None, "none", [], "")
+    if wanted("mm_t"):
+        wt = w.t().contiguous()
+        out["mm_t"] = lambda x: torch.mm(x, wt)
+    if wanted("mkl_packed"):
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
+        out["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, m)
+    if wanted("onednn_packed"):
+        blocked = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+            x, blocked, None, "none", [], "")
     native = gemv()
     if native is not None and m <= native.MAX_ROWS:
         out["native"] = lambda x: native(x, w)
     blocked_native = sgemm()
     if blocked_native is not None:
         out["sgemm"] = lambda x: blocked_native(x, w)
-    return out
+    return {r: fn for r, fn in out.items() if wanted(r)}
+
+
+def in_turn(fns: list[Callable[[torch.Tensor], torch.Tensor]]
+            ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One route over several weights: each call runs the next one's."""
+    if len(fns) == 1:
+        return fns[0]
+    turn = [0]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        turn[0] = (turn[0] + 1) % len(fns)
+        return fns[turn[0]](x)
+    return call
 
 
 def cpu_time_per_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                      flops: float) -> float:
-    calls = max(2, min(200, int(2e9 / flops)))
+                      flops: float, min_calls: int = 2) -> float:
+    calls = max(min_calls, min(200, int(2e9 / flops)))
     fn(x)
     t0 = time.process_time()
     for _ in range(calls):
@@ -98,6 +123,8 @@ def main() -> None:
                    help="comma-separated fp32 routes to run (default: all; onednn always runs)")
     p.add_argument("--gflops", action="store_true",
                    help="a second row per shape with each route's GFLOP/s")
+    p.add_argument("--layers", type=int, default=1,
+                   help="distinct copies of each weight that every route cycles through")
     p.add_argument("--max-gflop", type=float, default=40.0,
                    help="skip (shape, M) pairs larger than this many GFLOP per call")
     args = p.parse_args()
@@ -108,28 +135,31 @@ def main() -> None:
     header = None
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        w = torch.randn(n, k) / k**0.5
+        weights = [torch.randn(n, k) / k**0.5 for _ in range(args.layers)]
+        w = weights[0]
         for m in map(int, args.m.split(",")):
             flops = 2.0 * m * n * k
             if flops > args.max_gflop * 1e9:
                 continue
             x = torch.randn(m, k)
-            fns = int8_routes(w) if args.int8 else routes(w, m)
-            if args.routes:
-                keep = {"onednn", *args.routes.split(",")}
-                fns = {r: fn for r, fn in fns.items() if r in keep}
+            keep = {"onednn", *args.routes.split(",")} if args.routes else None
+            copies = [int8_routes(wi) if args.int8 else routes(wi, m, keep) for wi in weights]
+            first = copies[0]  # checked on the first copy, timed over all of them in turn
             ref = F.linear(x.double(), w.double()).float()
-            for route, fn in fns.items():
+            for route, fn in first.items():
                 if "s8" in route:
-                    assert torch.equal(fn(x), fns["int_mm (s8)"](x)), f"{route} {name} M={m}"
+                    assert torch.equal(fn(x), first["int_mm (s8)"](x)), f"{route} {name} M={m}"
                     continue
                 err = (fn(x) - ref).abs().max().item()
                 assert err < 1e-3, f"{route} {name} M={m}: max error {err}"
+            fns = {r: in_turn([c[r] for c in copies]) for r in first
+                   if keep is None or r in keep}
             best: dict[str, float] = {r: float("inf") for r in fns}
             for rep in range(args.repeats):
                 order = list(fns) if rep % 2 == 0 else list(reversed(fns))
                 for route in order:
-                    best[route] = min(best[route], cpu_time_per_call(fns[route], x, flops))
+                    best[route] = min(best[route], cpu_time_per_call(fns[route], x, flops,
+                                                                      max(2, 2 * args.layers)))
             if header is None:
                 header = ["shape", "M", *fns]
                 print("| " + " | ".join(header) + " | best GFLOP/s |\n|"

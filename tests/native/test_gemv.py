@@ -83,7 +83,8 @@ def test_float_linear_routes_decode_rows_to_the_kernel(rows, to_kernel):
 
 def test_cpu_backends_use_it_and_reference_does_not():
     platform = CpuPlatform()
-    base = with_native_gemm(platform.float_linear() or F.linear, platform.native_gemm_min_rows)
+    base = with_native_gemm(platform.float_linear() or F.linear, platform.native_gemm_min_rows,
+                            platform.native_gemm_max_rows)
     assert Backends.for_platform(platform).float_linear is with_skinny_gemm(base, 4)
     assert Backends.reference().float_linear is F.linear
     assert with_skinny_gemm(F.linear, 0) is F.linear

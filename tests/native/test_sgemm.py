@@ -1,5 +1,6 @@
 """The native blocked fp32 GEMM (native/csrc/sgemm.cpp) against F.linear in float64: edge tiles
-in M (panels of 16 rows), N (panels of 6 weight rows) and K (blocks of up to 1024, vectors of 8),
+in M (panels of 16 rows with AVX2, 32 with AVX512, whose last panel of at most 16 rows takes a
+one-vector tile), N (panels of 6 or 8 weight rows) and K (blocks of up to 1024, vectors of 8),
 bias, strided x, both thread counts; and the seam that routes batched GEMMs to it."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ KERNEL = sgemm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="native sgemm not built here")
 # (M, N, K): one row; tails of every tile size; K over one block (1025, 2100) and under a vector
 SHAPES = [(1, 1, 1), (5, 7, 3), (16, 6, 8), (17, 13, 100), (33, 64, 896), (130, 1152, 67),
-          (129, 97, 1025), (300, 250, 2100), (2100, 37, 45)]
+          (129, 97, 1025), (300, 250, 2100), (2100, 37, 45), (48, 21, 130), (64, 8, 896),
+          (80, 17, 40)]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -81,23 +83,26 @@ def test_refusals():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,to_kernel", [(7, False), (8, True), (300, True)])
-def test_float_linear_routes_batched_rows_to_the_kernel(rows, to_kernel):
+@pytest.mark.parametrize("max_rows", [0, 96])
+@pytest.mark.parametrize("rows", [7, 8, 96, 97, 300])
+def test_float_linear_routes_batched_rows_to_the_kernel(rows, max_rows):
     fallback = RecordingLinear()
-    linear = with_native_gemm(fallback, 8)
+    linear = with_native_gemm(fallback, 8, max_rows)
+    to_kernel = rows >= 8 and (max_rows == 0 or rows <= max_rows)
     x, w, b = torch.randn(rows, 96), torch.randn(40, 96), torch.randn(40)
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     assert fallback.calls == (0 if to_kernel else 1)
     assert linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16  # other dtypes: fallback
     assert fallback.calls == (1 if to_kernel else 2)
-    assert with_native_gemm(fallback, 8) is linear  # one function per platform GEMM
+    assert with_native_gemm(fallback, 8, max_rows) is linear  # one function per platform GEMM
     assert with_native_gemm(fallback, 0) is fallback
 
 
 def test_cpu_backends_use_it_and_reference_does_not():
     platform = CpuPlatform()
     base = platform.float_linear() or torch.nn.functional.linear
-    expected = with_skinny_gemm(with_native_gemm(base, platform.native_gemm_min_rows),
+    expected = with_skinny_gemm(with_native_gemm(base, platform.native_gemm_min_rows,
+                                                 platform.native_gemm_max_rows),
                                 platform.skinny_gemm_max_rows)
     assert Backends.for_platform(platform).float_linear is expected
     assert Backends.reference().float_linear is F.linear

@@ -47,7 +47,8 @@ def test_model_layers_use_the_platform_linear(tiny_model):
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     assert layers and heads
     expected = with_skinny_gemm(with_native_gemm(linear or F.linear,
-                                                 CpuPlatform.native_gemm_min_rows),
+                                                 CpuPlatform.native_gemm_min_rows,
+                                                 CpuPlatform.native_gemm_max_rows),
                                 CpuPlatform.skinny_gemm_max_rows)
     assert all(m.quant_method.linear is expected for m in layers)
     assert all(h.float_linear is expected for h in heads)

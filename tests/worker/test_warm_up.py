@@ -11,10 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2Config
 
+from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.linear import LinearBase
+from qwenserve.layers.native_gemm import with_native_gemm
+from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.models.base import ModelContext
 from qwenserve.models.qwen2 import Qwen2ForCausalLM
+from qwenserve.platforms.cpu import CpuPlatform
 from qwenserve.worker.warm_up import WARM_UP_ROWS, warm_up_gemms
 
 
@@ -54,3 +58,20 @@ def test_a_vision_tower_is_left_alone():
     tower = {id(m.weight) for m in model.visual.modules() if isinstance(m, LinearBase)}
     warm_up_gemms(model, torch.bfloat16, torch.device("cpu"))
     assert tower and not tower & set(gemm.weights)
+
+
+def test_the_rows_reach_the_cpu_platform_gemm():
+    """On CPU the warm-up rows pass the skinny GEMM (1-4 rows) and, where oneDNN keeps packed
+    float32 copies (AVX512 CPUs), stay below the native float32 GEMM's rows: otherwise the
+    packing would fall into the first request's time (it did: 3-4 s of a 44 s prefill run)."""
+    platform = CpuPlatform()
+    assert WARM_UP_ROWS > platform.skinny_gemm_max_rows
+    for dtype in (torch.float32, torch.bfloat16):
+        packing = RecordingLinear()
+        route = with_skinny_gemm(with_native_gemm(packing, platform.native_gemm_min_rows,
+                                                  platform.native_gemm_max_rows),
+                                 platform.skinny_gemm_max_rows)
+        route(torch.randn(WARM_UP_ROWS, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype))
+        if dtype == torch.float32 and not platform._has_avx512():
+            continue  # AVX2: no packed float32 copy to make; the native GEMM takes these rows
+        assert packing.calls == 1, dtype

@@ -101,7 +101,7 @@ class Backends:
             recurrent=get_recurrent_backend(platform.default_recurrent_backend),
             float_linear=with_skinny_gemm(
                 with_native_gemm(platform.float_linear() or F.linear,
-                                 platform.native_gemm_min_rows),
+                                 platform.native_gemm_min_rows, platform.native_gemm_max_rows),
                 platform.skinny_gemm_max_rows),
             int8_mm=Int8Matmul(platform, quantizer=elementwise),
             elementwise=elementwise,

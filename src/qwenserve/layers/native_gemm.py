@@ -2,9 +2,10 @@
 
 ``native/csrc/sgemm.cpp`` computes ``x @ W.T + b`` from the [N, K] weight as the model keeps it
 (only x is packed, per call), so weight accounting, tied embeddings and sharded-state saving see
-one tensor. It replaces the platform GEMM from ``min_rows`` rows of x up, where it measured faster
-(docs/benchmarks.md, "Issue 19: native fp32 GEMM"); fewer rows, other dtypes and machines where
-it does not build keep the platform's GEMM.
+one tensor. It replaces the platform GEMM from ``min_rows`` rows of x up to ``max_rows`` (0: no
+limit), where it measured faster (docs/benchmarks.md, "Issue 19: native fp32 GEMM" and "float32
+decode GEMMs in 16 lanes"); other row counts, other dtypes and machines where it does not build
+keep the platform's GEMM.
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ LinearFn = Callable[..., torch.Tensor]
 
 
 @functools.cache
-def with_native_gemm(linear: LinearFn, min_rows: int) -> LinearFn:
-    """``linear`` with float32 calls of at least ``min_rows`` rows of x sent to the native GEMM
-    (the same function object for the same arguments: layers can compare it); 0: never."""
+def with_native_gemm(linear: LinearFn, min_rows: int, max_rows: int = 0) -> LinearFn:
+    """``linear`` with float32 calls of ``min_rows`` to ``max_rows`` rows of x (0: any number
+    from ``min_rows``) sent to the native GEMM (the same function object for the same arguments:
+    layers can compare it); ``min_rows`` 0: never."""
     kernel = sgemm() if min_rows > 0 else None
     if kernel is None:
         return linear
-    return functools.partial(_native_or, kernel, min_rows, linear)
+    return functools.partial(_native_or, kernel, min_rows, max_rows or None, linear)
 
 
-def _native_or(kernel: Sgemm, min_rows: int, linear: LinearFn, x: torch.Tensor,
-               weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (x.numel() >= min_rows * x.shape[-1] and kernel.supports(x, weight)
-            and (bias is None or bias.dtype == torch.float32)):
+def _native_or(kernel: Sgemm, min_rows: int, max_rows: int | None, linear: LinearFn,
+               x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (rows >= min_rows and (max_rows is None or rows <= max_rows)
+            and kernel.supports(x, weight) and (bias is None or bias.dtype == torch.float32)):
         return kernel(x, weight, bias)
     return linear(x, weight, bias)

@@ -178,7 +178,8 @@ def gemv() -> Gemv | None:
 
 class Sgemm:
     """``csrc/sgemm.cpp``: ``x @ w.T + bias`` in float32 for any number of rows, cache-blocked
-    (AVX2 + FMA), reading the [N, K] weight in place and packing only x per call."""
+    (AVX2 + FMA; 16 lanes where the build has AVX512), reading the [N, K] weight in place and
+    packing only x per call."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.sgemm_f32

@@ -28,9 +28,11 @@ class Platform(ABC):
     # GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
     # (native/csrc/gemv.cpp, which streams the weight once) where it builds; 0: never.
     skinny_gemm_max_rows: ClassVar[int] = 0
-    # float32 GEMMs with at least this many rows of x (prefill, batched decode) go to the native
-    # blocked GEMM (native/csrc/sgemm.cpp) where it builds; 0: never.
+    # float32 GEMMs with at least native_gemm_min_rows rows of x (prefill, batched decode) and at
+    # most native_gemm_max_rows (0: no limit) go to the native blocked GEMM
+    # (native/csrc/sgemm.cpp) where it builds; min 0: never.
     native_gemm_min_rows: ClassVar[int] = 0
+    native_gemm_max_rows: ClassVar[int] = 0
     # MLPs run on at most this many rows at a time (longer prefills in row chunks, each through
     # gate_up, SiLU-and-mul and down); 0: all rows at once.
     mlp_row_chunk: ClassVar[int] = 0

@@ -101,10 +101,12 @@ class CpuPlatform(Platform):
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
     # place): 0.98-2.16x oneDNN's speed (CPU time) on the model's shapes at 8-2048 rows on the AVX2
     # EPYC, 1.1x or more but for o at 256 and qkv at 2048 rows; 0.91-1.33x at 6 over two runs
-    # (docs/benchmarks.md, "Issue 19: native fp32 GEMM"). Not on AVX512 CPUs: there oneDNN's
-    # AVX512 kernels ran 1.1-2x faster than this AVX2 kernel at every size from 8 rows (Sapphire
-    # Rapids Xeon, docs/benchmarks.md "bf16 on AMX"); the 1-4-row skinny kernel still won there.
-    native_gemm_min_rows = 0 if _has_avx512() else 8
+    # (docs/benchmarks.md, "Issue 19: native fp32 GEMM"). On AVX512 CPUs its 16-lane build
+    # (8 x 32 tiles) takes 16-64 rows, batched decode: 1.06-1.43x oneDNN's packed kernels per
+    # shape there, level or behind at 8 and from 96 rows (Sapphire Rapids Xeon,
+    # docs/benchmarks.md "float32 decode GEMMs in 16 lanes"); oneDNN keeps 5-15 rows and prefill.
+    native_gemm_min_rows = 16 if _has_avx512() else 8
+    native_gemm_max_rows = 64 if _has_avx512() else 0
     # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
     # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire
     # Rapids Xeon (2 threads). Qwen2.5-0.5B shape, bf16, 2,048 rows: 31.5 -> 29.0 ms a layer;

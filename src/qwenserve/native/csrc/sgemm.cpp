@@ -9,8 +9,11 @@
 // it is packed once per call (it is small next to the weight) into k-major panels of NR = 16 rows,
 // so one k step loads 16 x values as two vectors. 12 accumulators + 2 x vectors + 1 broadcast fill
 // 15 of the 16 AVX2 registers; 12 FMAs per step against 8 loads, in the 2-FMA/2-load per cycle
-// budget of Zen 2 / Skylake. Each tile is written back transposed (C[m, n0..n0+5]) once per KC
-// block, which amortises the scalar stores over KC k steps.
+// budget of Zen 2 / Skylake. Built for AVX512, the same loops run 16-lane vectors: MR = 8 weight
+// rows against NR = 32 rows of x, 16 accumulators (batched decode: 1.06-1.43x oneDNN's packed
+// kernels at 16-64 rows on a Sapphire Rapids Xeon), and a last panel of at most 16 rows
+// multiplies only its first vector. Each tile is written back transposed (C[m, n0..n0+MR)) once
+// per KC block, which amortises the scalar stores over KC k steps.
 //
 // Blocking: K in blocks of at most KC_MAX (a 6 x KC weight panel stays in L1 while it meets every
 // x panel of an MC-row block, from L2/L3); threads split the weight's row panels, and each packs
@@ -32,8 +35,15 @@
 
 namespace {
 
+#if defined(__AVX512F__)
+// 8 x 32: 16 accumulators of 16 lanes. 6 x 32 (12) ran 4% and 12 x 32 (24) 5% slower over the
+// model's shapes at 64 rows (Sapphire Rapids Xeon, docs/benchmarks.md).
+constexpr int64_t MR = 8;         // weight rows per micro-tile
+constexpr int64_t NR = 32;        // x rows per micro-tile (two 16-float vectors)
+#else
 constexpr int64_t MR = 6;         // weight rows per micro-tile
 constexpr int64_t NR = 16;        // x rows per micro-tile (two 8-float vectors)
+#endif
 constexpr int64_t KC_MAX = 1024;  // k per block: 6 x 1024 floats of W (24 KB) in L1
 constexpr int64_t MC = 512;       // x rows per block: each weight panel is read M / MC times
 
@@ -75,10 +85,8 @@ inline void pack_panel(float* xp, const float* x, int64_t ldx, int64_t p, int64_
   const int64_t m0 = p * NR, rows = std::min(NR, M - m0);
   int64_t k = 0;
   if (rows == NR) {  // full panels: 8 x 8 blocks through registers
-    for (; k + 8 <= K; k += 8) {
-      transpose8(xp + k * NR, x + m0 * ldx + k, ldx);
-      transpose8(xp + k * NR + 8, x + (m0 + 8) * ldx + k, ldx);
-    }
+    for (; k + 8 <= K; k += 8)
+      for (int64_t r = 0; r < NR; r += 8) transpose8(xp + k * NR + r, x + (m0 + r) * ldx + k, ldx);
   } else {
     std::memset(xp, 0, sizeof(float) * NR * K);
   }
@@ -88,48 +96,57 @@ inline void pack_panel(float* xp, const float* x, int64_t ldx, int64_t p, int64_
   }
 }
 
-// One 6 x 16 tile over kc steps: w[i] = &W[n0 + i][k0], xp = the panel's packed x at k0.
+// The vector type of the micro-tile: 8 lanes (AVX2) or 16 (AVX512), NR = 2 vectors.
+#if defined(__AVX512F__)
+typedef __m512 Vec;
+constexpr int64_t LANES = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_load_ps(p); }
+inline Vec vsplat(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_store_ps(p, v); }
+#else
+typedef __m256 Vec;
+constexpr int64_t LANES = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_load_ps(p); }
+inline Vec vsplat(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_store_ps(p, v); }
+#endif
+static_assert(NR == 2 * LANES, "a micro-tile's x panel is two vectors wide");
+
+// One MR x NR tile over kc steps: w[i] = &W[n0 + i][k0], xp = the panel's packed x at k0.
 // Writes C[m0 + j][n0 + i] (j < rows_m, i < rows_n): = acc (+ bias) on the first K block,
-// += acc on later ones.
-template <bool PREFETCH>
+// += acc on later ones. HALF: the panel has at most LANES rows (a short last panel), so only
+// its first vector is multiplied.
+template <bool PREFETCH, bool HALF>
 inline void tile(const float* const w[MR], const float* xp, int64_t kc, float* c, int64_t ldc,
                  int64_t rows_n, int64_t rows_m, const float* bias, bool first,
                  const float* const next[MR]) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5];
+  constexpr int NV = HALF ? 1 : 2;
+  Vec acc[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
   for (int64_t k = 0; k < kc; ++k, xp += NR) {
     if (PREFETCH && (k & 15) == 0) {
+#pragma GCC unroll 16
       for (int64_t i = 0; i < MR; ++i)
         _mm_prefetch(reinterpret_cast<const char*>(next[i] + k), _MM_HINT_T0);
     }
-    const __m256 x0 = _mm256_load_ps(xp), x1 = _mm256_load_ps(xp + 8);
-    __m256 b = _mm256_broadcast_ss(w0 + k);
-    c00 = _mm256_fmadd_ps(b, x0, c00);
-    c01 = _mm256_fmadd_ps(b, x1, c01);
-    b = _mm256_broadcast_ss(w1 + k);
-    c10 = _mm256_fmadd_ps(b, x0, c10);
-    c11 = _mm256_fmadd_ps(b, x1, c11);
-    b = _mm256_broadcast_ss(w2 + k);
-    c20 = _mm256_fmadd_ps(b, x0, c20);
-    c21 = _mm256_fmadd_ps(b, x1, c21);
-    b = _mm256_broadcast_ss(w3 + k);
-    c30 = _mm256_fmadd_ps(b, x0, c30);
-    c31 = _mm256_fmadd_ps(b, x1, c31);
-    b = _mm256_broadcast_ss(w4 + k);
-    c40 = _mm256_fmadd_ps(b, x0, c40);
-    c41 = _mm256_fmadd_ps(b, x1, c41);
-    b = _mm256_broadcast_ss(w5 + k);
-    c50 = _mm256_fmadd_ps(b, x0, c50);
-    c51 = _mm256_fmadd_ps(b, x1, c51);
+    Vec xv[NV];
+    for (int v = 0; v < NV; ++v) xv[v] = vload(xp + v * LANES);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const Vec b = vsplat(w[i][k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = vfma(b, xv[v], acc[i][v]);
+    }
   }
-  alignas(32) float t[MR][NR];
-  _mm256_store_ps(t[0], c00), _mm256_store_ps(t[0] + 8, c01);
-  _mm256_store_ps(t[1], c10), _mm256_store_ps(t[1] + 8, c11);
-  _mm256_store_ps(t[2], c20), _mm256_store_ps(t[2] + 8, c21);
-  _mm256_store_ps(t[3], c30), _mm256_store_ps(t[3] + 8, c31);
-  _mm256_store_ps(t[4], c40), _mm256_store_ps(t[4] + 8, c41);
-  _mm256_store_ps(t[5], c50), _mm256_store_ps(t[5] + 8, c51);
+  alignas(64) float t[MR][NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) vstore(t[i] + v * LANES, acc[i][v]);
   for (int64_t j = 0; j < rows_m; ++j) {
     float* cr = c + j * ldc;
     if (first) {
@@ -213,14 +230,18 @@ int sgemm_f32(float* y, const float* x, const float* w, const float* bias, int64
           const float* next[MR];
           for (int64_t i = 0; i < MR; ++i) next[i] = w + std::min(n0 + MR + i, N - 1) * K + k0;
           for (int64_t pm = pm0; pm < pm1; ++pm) {
-            const int64_t m0 = pm * NR;
+            const int64_t m0 = pm * NR, rows_m = std::min(NR, M - m0);
             const float* xpm = xp + (pm - pm0) * NR * kc;
-            if (pm == pm0)
-              tile<true>(wr, xpm, kc, y + m0 * N + n0, N, rows_n, std::min(NR, M - m0), b,
-                         first, next);
+            float* c = y + m0 * N + n0;
+            const bool lead = pm == pm0, half = rows_m <= LANES;
+            if (lead && half)
+              tile<true, true>(wr, xpm, kc, c, N, rows_n, rows_m, b, first, next);
+            else if (lead)
+              tile<true, false>(wr, xpm, kc, c, N, rows_n, rows_m, b, first, next);
+            else if (half)
+              tile<false, true>(wr, xpm, kc, c, N, rows_n, rows_m, b, first, next);
             else
-              tile<false>(wr, xpm, kc, y + m0 * N + n0, N, rows_n, std::min(NR, M - m0), b,
-                          first, next);
+              tile<false, false>(wr, xpm, kc, c, N, rows_n, rows_m, b, first, next);
           }
         }
       }
