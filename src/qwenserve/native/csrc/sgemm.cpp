@@ -15,12 +15,13 @@
 // multiplies only its first vector. Each tile is written back transposed (C[m, n0..n0+MR)) once
 // per KC block, which amortises the scalar stores over KC k steps.
 //
-// Blocking: K in blocks of at most KC_MAX (a 6 x KC weight panel stays in L1 while it meets every
-// x panel of an MC-row block, from L2/L3); threads split the weight's row panels, and each packs
-// the x block it works on itself (no barrier: one parallel region per call, one join). While a
-// panel's first tile runs, the next panel's weight rows are prefetched: at 16-64 rows of x that
-// hid most of the weight's memory latency (1.1-1.2x), and the hardware prefetcher alone did not.
-// KC 1024 and MC 512 measured best of 256-1024 / 64-512 on the model's shapes (AVX2 EPYC).
+// Blocking: K in blocks of at most KC_MAX (an MR x KC weight panel stays in L1 while it meets
+// every x panel of an MC-row block, from L2/L3); threads split the weight's row panels, and each
+// packs the x block it works on itself (no barrier: one parallel region per call, one join).
+// While a panel's first tile runs, the next panel's weight rows are prefetched: at 16-64 rows of
+// x that hid most of the weight's memory latency (1.1-1.2x), and the hardware prefetcher alone
+// did not. KC 1024 and MC 512 measured best of 256-1024 / 64-512 on the model's shapes (AVX2
+// EPYC; on the AVX512 Xeon KC 256 and 448 were slower too, 1.1-1.35x at 256-512 rows).
 // Edge tiles: a short weight panel repeats its last row (results not stored); a short x panel is
 // zero-padded in the pack. Built with -march=native; without AVX2+FMA the entry point returns 2
 // and the caller keeps its other GEMM.
@@ -44,7 +45,7 @@ constexpr int64_t NR = 32;        // x rows per micro-tile (two 16-float vectors
 constexpr int64_t MR = 6;         // weight rows per micro-tile
 constexpr int64_t NR = 16;        // x rows per micro-tile (two 8-float vectors)
 #endif
-constexpr int64_t KC_MAX = 1024;  // k per block: 6 x 1024 floats of W (24 KB) in L1
+constexpr int64_t KC_MAX = 1024;  // k per block: MR x 1024 floats of W (24 / 32 KB) in L1
 constexpr int64_t MC = 512;       // x rows per block: each weight panel is read M / MC times
 
 // K split into equal blocks of at most KC_MAX, each a multiple of 8 where K allows.
