@@ -28,6 +28,7 @@ per call.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -92,14 +93,8 @@ def routes(w: torch.Tensor, m: int, keep: set[str] | None = None
 def in_turn(fns: list[Callable[[torch.Tensor], torch.Tensor]]
             ) -> Callable[[torch.Tensor], torch.Tensor]:
     """One route over several weights: each call runs the next one's."""
-    if len(fns) == 1:
-        return fns[0]
-    turn = [0]
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        turn[0] = (turn[0] + 1) % len(fns)
-        return fns[turn[0]](x)
-    return call
+    turns = itertools.cycle(fns)
+    return lambda x: next(turns)(x)
 
 
 def cpu_time_per_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
