@@ -8,11 +8,15 @@ benchmarks/common.py), built once and measured in alternating rounds (median ste
     fp32 native   decode GEMMs through native/csrc/gemv.cpp (the CPU default)
     fp32 oneDNN   the same model with the skinny route off (``skinny_gemm_max_rows = 0``)
     int8 native   ``--quantization int8`` (W8A8; on CPUs without VNNI every int8 GEMM is native)
-    int8 oneDNN   W8A8 through the platform's oneDNN int8 GEMM even without VNNI (very slow there)
-    bf16          bfloat16 weights and activations (packed oneDNN GEMMs where bf16 is native)
+    int8 oneDNN   W8A8 through the platform's oneDNN int8 GEMM at every row count (very slow
+                  without VNNI)
+    bf16          bfloat16 weights and activations (native/csrc/bgemm.cpp on AMX CPUs up to 32
+                  rows, packed oneDNN GEMMs beyond and where bf16 is native without AMX)
+    bf16 oneDNN   the same with the AMX GEMM's route off (``amx_gemm_max_rows = 0``)
     bf16 int8     ``--quantization int8`` with bfloat16 activations
+    bf16 int8 oneDNN  the same through oneDNN's int8 GEMM at every row count
 
-The default set is the bf16 pair on CPUs with native bf16 (AMX / AVX512-BF16), where bf16 is the
+The default set is the three bf16 engines on CPUs with native bf16 (AMX / AVX512-BF16), where bf16 is the
 mode users run, and the three fp32 engines elsewhere; ``--engines`` names any of them.
 
     PYTHONPATH=src python benchmarks/decode_bandwidth.py [--threads 2] [--steps 16] [--rounds 3]
@@ -72,24 +76,29 @@ def decode_steps(llm, prompt: list[int], steps: int, request_id: str, cpu: bool,
     return times
 
 
-ENGINES = ("fp32 native", "fp32 oneDNN", "int8 native", "int8 oneDNN", "bf16", "bf16 int8")
+ENGINES = ("fp32 native", "fp32 oneDNN", "int8 native", "int8 oneDNN", "bf16", "bf16 oneDNN",
+           "bf16 int8", "bf16 int8 oneDNN")
 
 
 def build(path: str, name: str):
     from qwenserve import LLM
     from qwenserve.platforms.cpu import CpuPlatform
 
-    saved = CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows
+    saved = (CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows,
+             CpuPlatform.amx_gemm_max_rows)
+    if name == "bf16 oneDNN":
+        CpuPlatform.amx_gemm_max_rows = 0
     if name == "fp32 oneDNN":
         CpuPlatform.skinny_gemm_max_rows = 0
-    if name == "int8 oneDNN":
+    if name.endswith("int8 oneDNN"):
         CpuPlatform.int8_skinny_max_rows = lambda self: 0
     try:
         quant = {"quantization": "int8"} if "int8" in name else {}
         dtype = "bfloat16" if name.startswith("bf16") else "float32"
         return LLM(path, dtype=dtype, max_model_len=MAX_MODEL_LEN, **quant)
     finally:
-        CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows = saved
+        (CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows,
+         CpuPlatform.amx_gemm_max_rows) = saved
 
 
 def main() -> None:
@@ -116,7 +125,7 @@ def main() -> None:
         if unknown := [n for n in names if n not in ENGINES]:
             p.error(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
     elif CpuPlatform().supports_native_bf16():
-        names = ["bf16", "bf16 int8"]
+        names = ["bf16", "bf16 oneDNN", "bf16 int8"]
     else:
         names = ["fp32 native", "fp32 oneDNN", "int8 native"]
     engines = {name: build(path, name) for name in names}
@@ -126,7 +135,7 @@ def main() -> None:
     for r in range(args.rounds):
         bandwidth.append(read_bandwidth(args.cpu_time))
         for name in (names if r % 2 == 0 else list(reversed(names))):
-            slow = name == "int8 oneDNN" and CpuPlatform().int8_skinny_max_rows() > 0  # no VNNI
+            slow = name.endswith("int8 oneDNN") and not CpuPlatform._has_int8_dot()  # no VNNI
             n = 2 if slow else args.steps
             steps[name] += decode_steps(engines[name], prompt, n, f"{name}-{r}", args.cpu_time,
                                         args.batch)

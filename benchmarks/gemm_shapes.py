@@ -1,4 +1,4 @@
-"""fp32 GEMM routes per model shape: which kernel computes ``x @ W.T`` fastest on this CPU.
+"""GEMM routes per model shape: which kernel computes ``x @ W.T`` fastest on this CPU.
 
 Shapes are the Qwen2.5-0.5B layers (qkv, o, gate_up, down, LM head) at M tokens. Each route
 runs the same GEMM; the figure is CPU time per call (``time.process_time``, all threads, with
@@ -14,6 +14,10 @@ one torch thread, so other processes' load inflates it less than wall time), the
     sgemm           qwenserve.native's blocked GEMM (csrc/sgemm.cpp; the weight read in place,
                     x packed per call), if built
 
+With ``--dtype bfloat16`` x and W are bf16 and the routes those that take it: F.linear, onednn,
+onednn_packed, and ``amx`` (qwenserve.native's AMX GEMM for small batches, csrc/bgemm.cpp; the
+weight read in place), where the CPU has AMX.
+
 With ``--int8`` the routes are the W8A8 GEMM's (int8 x int8 -> int32, as ``Int8Matmul`` runs
 it): ``torch._int_mm`` (oneDNN) and the native kernel, against fp32 oneDNN on the same shape.
 
@@ -22,7 +26,7 @@ weight comes from memory as a model's layers do (one copy stays in cache); the f
 per call.
 
     python benchmarks/gemm_shapes.py [--m 1,16,64,256,2048] [--threads 1] [--int8]
-        [--routes sgemm,native] [--gflops] [--layers 24]
+        [--routes sgemm,native] [--gflops] [--layers 24] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qwenserve.native.kernels import gemv, sgemm
+from qwenserve.native.kernels import bgemm, gemv, sgemm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_model  # noqa: E402
@@ -63,7 +67,8 @@ def _q(x: torch.Tensor) -> torch.Tensor:
 
 def routes(w: torch.Tensor, m: int, keep: set[str] | None = None
            ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """The fp32 routes on w (those in keep; None: all), each weight layout made once here."""
+    """The routes on w for its dtype (those in keep; None: all), each weight layout made once
+    here."""
     def wanted(route: str) -> bool:
         return keep is None or route in keep
 
@@ -74,7 +79,8 @@ def routes(w: torch.Tensor, m: int, keep: set[str] | None = None
     if wanted("mm_t"):
         wt = w.t().contiguous()
         out["mm_t"] = lambda x: torch.mm(x, wt)
-    if wanted("mkl_packed"):
+    fp32 = w.dtype == torch.float32
+    if wanted("mkl_packed") and fp32:
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
         out["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, m)
     if wanted("onednn_packed"):
@@ -82,11 +88,14 @@ def routes(w: torch.Tensor, m: int, keep: set[str] | None = None
         out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
             x, blocked, None, "none", [], "")
     native = gemv()
-    if native is not None and m <= native.MAX_ROWS:
+    if native is not None and m <= native.MAX_ROWS and fp32:
         out["native"] = lambda x: native(x, w)
     blocked_native = sgemm()
-    if blocked_native is not None:
+    if blocked_native is not None and fp32:
         out["sgemm"] = lambda x: blocked_native(x, w)
+    amx = bgemm()
+    if amx is not None and amx.supports(torch.empty(m, w.shape[1], dtype=w.dtype), w):
+        out["amx"] = lambda x: amx(x, w)
     return {r: fn for r, fn in out.items() if wanted(r)}
 
 
@@ -114,6 +123,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--int8", action="store_true", help="the W8A8 routes instead of fp32's")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="of x and the weights (not with --int8)")
     p.add_argument("--routes", default="",
                    help="comma-separated fp32 routes to run (default: all; onednn always runs)")
     p.add_argument("--gflops", action="store_true",
@@ -130,23 +141,25 @@ def main() -> None:
     header = None
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        weights = [torch.randn(n, k) / k**0.5 for _ in range(args.layers)]
+        dtype = getattr(torch, args.dtype)
+        weights = [(torch.randn(n, k) / k**0.5).to(dtype) for _ in range(args.layers)]
         w = weights[0]
         for m in map(int, args.m.split(",")):
             flops = 2.0 * m * n * k
             if flops > args.max_gflop * 1e9:
                 continue
-            x = torch.randn(m, k)
+            x = torch.randn(m, k).to(dtype)
             keep = {"onednn", *args.routes.split(",")} if args.routes else None
             copies = [int8_routes(wi) if args.int8 else routes(wi, m, keep) for wi in weights]
             first = copies[0]  # checked on the first copy, timed over all of them in turn
             ref = F.linear(x.double(), w.double()).float()
+            tolerance = 1e-3 if dtype == torch.float32 else 2e-2  # bf16 outputs: one rounding
             for route, fn in first.items():
                 if "s8" in route:
                     assert torch.equal(fn(x), first["int_mm (s8)"](x)), f"{route} {name} M={m}"
                     continue
-                err = (fn(x) - ref).abs().max().item()
-                assert err < 1e-3, f"{route} {name} M={m}: max error {err}"
+                err = (fn(x).float() - ref).abs().max().item()
+                assert err < tolerance, f"{route} {name} M={m}: max error {err}"
             fns = {r: in_turn([c[r] for c in copies]) for r in first
                    if keep is None or r in keep}
             best: dict[str, float] = {r: float("inf") for r in fns}

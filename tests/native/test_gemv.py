@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.recording_linear import RecordingLinear
-from qwenserve.layers.backends import Backends
-from qwenserve.layers.native_gemm import with_native_gemm
+from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native.kernels import gemv
 from qwenserve.platforms.cpu import CpuPlatform
@@ -23,16 +22,9 @@ from qwenserve.quantization.kernels import (
 KERNEL = gemv()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="native kernels not built here")
 # (rows of x, N, K): tails in N (blocks of 4 rows) and K (vectors of 8/16), 1-9 rows (passes of 4)
+# K past the 32-wide (AVX512), 16-wide (AVX2) and scalar steps: 48 = 32 + 16, 113 = 3 x 32 + 16 + 1
 SHAPES = [(1, 1, 1), (1, 5, 13), (2, 33, 100), (3, 64, 896), (4, 1152, 896), (5, 7, 4864),
-          (9, 130, 67)]
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
+          (9, 130, 67), (2, 9, 48), (1, 3, 113)]
 
 
 @needs_kernel
@@ -83,9 +75,11 @@ def test_float_linear_routes_decode_rows_to_the_kernel(rows, to_kernel):
 
 def test_cpu_backends_use_it_and_reference_does_not():
     platform = CpuPlatform()
-    base = with_native_gemm(platform.float_linear() or F.linear, platform.native_gemm_min_rows,
-                            platform.native_gemm_max_rows)
-    assert Backends.for_platform(platform).float_linear is with_skinny_gemm(base, 4)
+    base = platform.float_linear() or F.linear
+    assert Backends.for_platform(platform).float_linear is float_linear_route(platform, base)
+    decode = RecordingLinear()  # float32 decode rows do not reach the platform GEMM
+    float_linear_route(platform, decode)(torch.randn(2, 64), torch.randn(40, 64))
+    assert decode.calls == (0 if KERNEL is not None else 1)
     assert Backends.reference().float_linear is F.linear
     assert with_skinny_gemm(F.linear, 0) is F.linear
 

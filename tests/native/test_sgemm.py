@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers.recording_linear import RecordingLinear
-from qwenserve.layers.backends import Backends
+from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.native_gemm import with_native_gemm
-from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native.kernels import sgemm
 from qwenserve.platforms.cpu import CpuPlatform
 
@@ -22,14 +21,6 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="native sgemm not built
 SHAPES = [(1, 1, 1), (5, 7, 3), (16, 6, 8), (17, 13, 100), (33, 64, 896), (130, 1152, 67),
           (129, 97, 1025), (300, 250, 2100), (2100, 37, 45), (48, 21, 130), (64, 8, 896),
           (80, 17, 40)]
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -101,10 +92,11 @@ def test_float_linear_routes_batched_rows_to_the_kernel(rows, max_rows):
 def test_cpu_backends_use_it_and_reference_does_not():
     platform = CpuPlatform()
     base = platform.float_linear() or torch.nn.functional.linear
-    expected = with_skinny_gemm(with_native_gemm(base, platform.native_gemm_min_rows,
-                                                 platform.native_gemm_max_rows),
-                                platform.skinny_gemm_max_rows)
-    assert Backends.for_platform(platform).float_linear is expected
+    assert Backends.for_platform(platform).float_linear is float_linear_route(platform, base)
+    batched = RecordingLinear()  # float32 rows in the native window do not reach the platform
+    float_linear_route(platform, batched)(torch.randn(platform.native_gemm_min_rows, 64),
+                                          torch.randn(40, 64))
+    assert batched.calls == (0 if KERNEL is not None else 1)
     assert Backends.reference().float_linear is F.linear
 
 

@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve import LLM
+from qwenserve.layers.backends import float_linear_route
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.linear import LinearBase
-from qwenserve.layers.native_gemm import with_native_gemm
-from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.platforms.cpu import CpuPlatform
 
 
@@ -46,9 +45,6 @@ def test_model_layers_use_the_platform_linear(tiny_model):
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
     assert layers and heads
-    expected = with_skinny_gemm(with_native_gemm(linear or F.linear,
-                                                 CpuPlatform.native_gemm_min_rows,
-                                                 CpuPlatform.native_gemm_max_rows),
-                                CpuPlatform.skinny_gemm_max_rows)
+    expected = float_linear_route(CpuPlatform(), linear or F.linear)
     assert all(m.quant_method.linear is expected for m in layers)
     assert all(h.float_linear is expected for h in heads)

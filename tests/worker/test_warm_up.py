@@ -12,14 +12,12 @@ from torch import nn
 from transformers import Qwen2Config
 
 from helpers.recording_linear import RecordingLinear
-from qwenserve.layers.backends import Backends
+from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.linear import LinearBase
-from qwenserve.layers.native_gemm import with_native_gemm
-from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.models.base import ModelContext
 from qwenserve.models.qwen2 import Qwen2ForCausalLM
 from qwenserve.platforms.cpu import CpuPlatform
-from qwenserve.worker.warm_up import WARM_UP_ROWS, warm_up_gemms
+from qwenserve.worker.warm_up import warm_up_gemms, warm_up_rows
 
 
 class RecordingGemm:
@@ -29,7 +27,7 @@ class RecordingGemm:
         self.weights: list[int] = []
 
     def __call__(self, x, weight, bias=None):
-        assert x.shape[0] == WARM_UP_ROWS
+        assert x.shape[0] == warm_up_rows(torch.bfloat16)
         self.weights.append(id(weight))
         return F.linear(x, weight, bias)
 
@@ -61,17 +59,16 @@ def test_a_vision_tower_is_left_alone():
 
 
 def test_the_rows_reach_the_cpu_platform_gemm():
-    """On CPU the warm-up rows pass the skinny GEMM (1-4 rows) and, where oneDNN keeps packed
+    """On CPU the warm-up rows pass the native kernels that read the plain weight (the skinny
+    GEMM's 1-4 float32 rows, the AMX GEMM's 1-32 bf16 rows) and, where oneDNN keeps packed
     float32 copies (AVX512 CPUs), stay below the native float32 GEMM's rows: otherwise the
-    packing would fall into the first request's time (it did: 3-4 s of a 44 s prefill run)."""
+    packing would fall into the first request's time (it did: 3-4 s of a 44 s prefill run). The
+    weight's shape is one every kernel takes."""
     platform = CpuPlatform()
-    assert WARM_UP_ROWS > platform.skinny_gemm_max_rows
     for dtype in (torch.float32, torch.bfloat16):
         packing = RecordingLinear()
-        route = with_skinny_gemm(with_native_gemm(packing, platform.native_gemm_min_rows,
-                                                  platform.native_gemm_max_rows),
-                                 platform.skinny_gemm_max_rows)
-        route(torch.randn(WARM_UP_ROWS, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype))
+        route = float_linear_route(platform, packing)
+        route(torch.randn(warm_up_rows(dtype), 64, dtype=dtype), torch.randn(64, 64, dtype=dtype))
         if dtype == torch.float32 and not platform._has_avx512():
             continue  # AVX2: no packed float32 copy to make; the native GEMM takes these rows
         assert packing.calls == 1, dtype

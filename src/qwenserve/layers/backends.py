@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.layers.attention import AttentionBackend, get_attention_backend
-from qwenserve.layers.native_gemm import with_native_gemm
+from qwenserve.layers.native_gemm import with_amx_gemm, with_native_gemm
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native import kernels as native_kernels
@@ -82,6 +82,16 @@ def get_sampling_kernel(name: str) -> SamplingKernel | None:
     raise ValueError(f"unknown sampling backend {name!r}; known: torch_ref, cpu_native")
 
 
+def float_linear_route(platform: Platform, linear: LinearFn) -> LinearFn:
+    """``linear`` (the platform's GEMM) behind the native kernels that take some of its calls by
+    dtype and rows of x: the skinny GEMM (fewest rows), the AMX bf16 GEMM, the blocked float32
+    GEMM."""
+    native = with_native_gemm(linear, platform.native_gemm_min_rows,
+                              platform.native_gemm_max_rows)
+    return with_skinny_gemm(with_amx_gemm(native, platform.amx_gemm_max_rows),
+                            platform.skinny_gemm_max_rows)
+
+
 @dataclass(frozen=True)
 class Backends:
     attention: AttentionBackend  # paged attention layers
@@ -99,10 +109,7 @@ class Backends:
         return cls(
             attention=get_attention_backend(platform.default_attention_backend),
             recurrent=get_recurrent_backend(platform.default_recurrent_backend),
-            float_linear=with_skinny_gemm(
-                with_native_gemm(platform.float_linear() or F.linear,
-                                 platform.native_gemm_min_rows, platform.native_gemm_max_rows),
-                platform.skinny_gemm_max_rows),
+            float_linear=float_linear_route(platform, platform.float_linear() or F.linear),
             int8_mm=Int8Matmul(platform, quantizer=elementwise),
             elementwise=elementwise,
             sampling=get_sampling_kernel(platform.default_sampling_backend),

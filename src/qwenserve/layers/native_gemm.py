@@ -1,4 +1,8 @@
-"""Batched float32 GEMMs (prefill, many-sequence decode) through the native blocked GEMM.
+"""GEMMs routed by rows of x to the native kernels that measured faster than the platform's.
+
+Float32, prefill and many-sequence decode: the native blocked GEMM below. bf16, decode-sized
+batches on AMX CPUs: ``with_amx_gemm``.
+
 
 ``native/csrc/sgemm.cpp`` computes ``x @ W.T + b`` from the [N, K] weight as the model keeps it
 (only x is packed, per call), so weight accounting, tied embeddings and sharded-state saving see
@@ -15,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from qwenserve.native.kernels import Sgemm, sgemm
+from qwenserve.native.kernels import Bgemm, Sgemm, bgemm, sgemm
 
 LinearFn = Callable[..., torch.Tensor]
 
@@ -37,5 +41,26 @@ def _native_or(kernel: Sgemm, min_rows: int, max_rows: int | None, linear: Linea
     rows = x.numel() // max(x.shape[-1], 1)
     if (rows >= min_rows and (max_rows is None or rows <= max_rows)
             and kernel.supports(x, weight) and (bias is None or bias.dtype == torch.float32)):
+        return kernel(x, weight, bias)
+    return linear(x, weight, bias)
+
+
+@functools.cache
+def with_amx_gemm(linear: LinearFn, max_rows: int) -> LinearFn:
+    """``linear`` with bf16 calls of 1 to ``max_rows`` rows of x sent to ``native/csrc/bgemm.cpp``
+    (AMX tiles on the plain weight: 1.2-1.4x oneDNN's packed bf16 kernels at 1-32 rows,
+    docs/benchmarks.md "bf16 decode GEMMs on AMX tiles"); ``max_rows`` 0 or no AMX: ``linear``
+    itself (the same function object for the same arguments)."""
+    kernel = bgemm() if max_rows > 0 else None
+    if kernel is None:
+        return linear
+    return functools.partial(_amx_or, kernel, max_rows, linear)
+
+
+def _amx_or(kernel: Bgemm, max_rows: int, linear: LinearFn, x: torch.Tensor,
+            weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (rows <= max_rows and kernel.supports(x, weight)
+            and (bias is None or bias.dtype == torch.bfloat16)):
         return kernel(x, weight, bias)
     return linear(x, weight, bias)

@@ -176,15 +176,45 @@ def gemv() -> Gemv | None:
     return None if lib is None else Gemv(lib)
 
 
-class Sgemm:
+class _RowMajorGemm:
+    """``x @ w.T + bias`` through a native entry point ``(y, x, w, bias, M, N, K, ldx)`` that
+    reads x's rows in place (row stride ldx) and the [N, K] weight where the model keeps it."""
+
+    dtype: torch.dtype
+    statuses: str  # what the entry point's non-zero statuses mean (for the error)
+
+    def __init__(self, fn: ctypes._CFuncPtr) -> None:
+        self._fn = fn
+        self._fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K], w [N, K] contiguous, bias [N] or None -> [..., N] in ``dtype``."""
+        n, k = w.shape
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1 or x2.stride(0) < k:
+            x2 = x2.contiguous()
+        if bias is not None:
+            bias = bias.to(self.dtype).contiguous()
+            assert bias.numel() == n
+        out = torch.empty(x2.shape[0], n, dtype=self.dtype)
+        status = self._fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
+                          None if bias is None else bias.data_ptr(), x2.shape[0], n, k,
+                          x2.stride(0))
+        if status:
+            raise ValueError(f"{self._fn.__name__}: status {status} for x {tuple(x.shape)}, "
+                             f"w {tuple(w.shape)} ({self.statuses})")
+        return out.view(*x.shape[:-1], n)
+
+
+class Sgemm(_RowMajorGemm):
     """``csrc/sgemm.cpp``: ``x @ w.T + bias`` in float32 for any number of rows, cache-blocked
     (AVX2 + FMA; 16 lanes where the build has AVX512), reading the [N, K] weight in place and
     packing only x per call."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.sgemm_f32
-        self._fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
-        self._fn.restype = ctypes.c_int
+    dtype = torch.float32
+    statuses = "1: empty shape, 2: built without AVX2+FMA, 3: out of memory"
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether ``__call__`` takes this pair: float32 CPU tensors, a contiguous [N, K]
@@ -192,25 +222,6 @@ class Sgemm:
         return (x.dtype == w.dtype == torch.float32 and x.is_cpu and w.is_cpu and w.dim() == 2
                 and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
                 and w.is_contiguous())
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K], w [N, K] contiguous, bias [N] or None -> [..., N] float32."""
-        n, k = w.shape
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1 or x2.stride(0) < k:
-            x2 = x2.contiguous()
-        if bias is not None:
-            bias = bias.contiguous()
-            assert bias.dtype == torch.float32 and bias.numel() == n
-        out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        status = self._fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
-                          None if bias is None else bias.data_ptr(), x2.shape[0], n, k,
-                          x2.stride(0))
-        if status:
-            raise ValueError(f"sgemm: status {status} for x {tuple(x.shape)}, w {tuple(w.shape)} "
-                             "(1: empty shape, 2: built without AVX2+FMA, 3: out of memory)")
-        return out.view(*x.shape[:-1], n)
 
 
 def sgemm() -> Sgemm | None:
@@ -222,7 +233,37 @@ def sgemm() -> Sgemm | None:
     if not lib.sgemm_f32_available():
         logger.info("native sgemm not used: this CPU has no AVX2 + FMA; using the platform GEMM")
         return None
-    return Sgemm(lib)
+    return Sgemm(lib.sgemm_f32)
+
+
+class Bgemm(_RowMajorGemm):
+    """``csrc/bgemm.cpp``: ``x @ w.T + bias`` in bf16 on AMX tiles for decode-sized batches,
+    reading the [N, K] weight in place (sums in fp32, one rounding to bf16)."""
+
+    dtype = torch.bfloat16
+    statuses = "1: a shape it does not take, 2: no AMX, 3: out of memory"
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``__call__`` takes this pair: bf16 CPU tensors, a contiguous [N, K] weight
+        with N and K multiples of 32 (x of any layout: its rows are copied when they are not
+        contiguous)."""
+        return (x.dtype == w.dtype == torch.bfloat16 and x.is_cpu and w.is_cpu and w.dim() == 2
+                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] % 32 == 0
+                and w.shape[1] % 32 == 0 and w.shape[0] > 0 and w.is_contiguous())
+
+
+@functools.cache
+def bgemm() -> Bgemm | None:
+    """The AMX bf16 GEMM for small batches, or None (logged once) where it cannot be built or the
+    CPU (or the process) cannot use AMX tiles."""
+    lib = load_library("qwenserve_bgemm", [os.path.join(CSRC, "bgemm.cpp")])
+    if lib is None:
+        return None
+    if not lib.bgemm_bf16_available():
+        logger.info("bf16 AMX GEMM not used: no AMX tiles for this process (CPU, compiler or "
+                    "kernel permission); small bf16 batches use the platform GEMM")
+        return None
+    return Bgemm(lib.bgemm_bf16)
 
 
 class Elementwise:

@@ -33,6 +33,9 @@ class Platform(ABC):
     # (native/csrc/sgemm.cpp) where it builds; min 0: never.
     native_gemm_min_rows: ClassVar[int] = 0
     native_gemm_max_rows: ClassVar[int] = 0
+    # bf16 GEMMs of 1 to amx_gemm_max_rows rows of x go to the native AMX GEMM
+    # (native/csrc/bgemm.cpp) where the CPU has AMX; 0: never.
+    amx_gemm_max_rows: ClassVar[int] = 0
     # MLPs run on at most this many rows at a time (longer prefills in row chunks, each through
     # gate_up, SiLU-and-mul and down); 0: all rows at once.
     mlp_row_chunk: ClassVar[int] = 0

@@ -107,6 +107,11 @@ class CpuPlatform(Platform):
     # docs/benchmarks.md "float32 decode GEMMs in 16 lanes"); oneDNN keeps 5-15 rows and prefill.
     native_gemm_min_rows = 16 if _has_avx512() else 8
     native_gemm_max_rows = 64 if _has_avx512() else 0
+    # bf16 GEMMs of 1-32 rows (decode at low and moderate concurrency) on AMX tiles, reading the
+    # plain weight: 1.2-1.4x oneDNN's packed kernels there, slower from 48 rows, where each
+    # further 32 rows re-read the weight (Emerald Rapids Xeon, docs/benchmarks.md "bf16 decode
+    # GEMMs on AMX tiles"). CPUs without AMX keep oneDNN (the kernel does not load there).
+    amx_gemm_max_rows = 32
     # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
     # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire
     # Rapids Xeon (2 threads). Qwen2.5-0.5B shape, bf16, 2,048 rows: 31.5 -> 29.0 ms a layer;
@@ -173,9 +178,12 @@ class CpuPlatform(Platform):
         # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 0.9 ms per row of x on the
         # 1152 x 896 qkv weight on the AVX2 EPYC, 6-25x fp32's time at any row count, while the
         # native kernel (AVX2 vpmaddwd, the weight read once for all rows) ran 1.0-6x faster than
-        # fp32: there it takes every int8 GEMM. With VNNI/AMX oneDNN keeps them all (it beat fp32
-        # 2.2-3.8x on AVX512-VNNI, docs/quantization.md; the native kernel is unmeasured there).
-        return 0 if self._has_int8_dot() else 1 << 62
+        # fp32: there it takes every int8 GEMM. With VNNI/AMX oneDNN (on packed weights) keeps
+        # 3 rows and up (it beat fp32 2.2-3.8x on AVX512-VNNI, docs/quantization.md), and the
+        # native kernel, 32 values a step there (vpdpwssd), 1-2 rows: W8A8 decode steps 1.27-1.30x
+        # faster than oneDNN's at batch 1, 1.08x at 2, level at 4 on an Emerald Rapids Xeon
+        # (docs/benchmarks.md, "bf16 decode GEMMs on AMX tiles").
+        return 2 if self._has_int8_dot() else 1 << 62
 
     @staticmethod
     def _has_int8_dot() -> bool:

@@ -16,28 +16,34 @@ from torch import nn
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.linear import LinearBase
 
-# Rows of the warm-up call: past the 1-4 rows that a platform's skinny GEMM takes on the plain
-# weight (float32 on CPU) and below the 16-64 that its native float32 GEMM takes on AVX512 CPUs
-# (where oneDNN keeps packed float32 copies), so that the call reaches the GEMM that keeps a
-# prepared copy (tests/worker/test_warm_up.py checks the windows).
+# Rows of the warm-up call, by dtype, so that it reaches the GEMM that keeps a prepared copy:
+# float32 past the 1-4 rows that a platform's skinny GEMM takes on the plain weight and below the
+# 16-64 that its native float32 GEMM takes on AVX512 CPUs (where oneDNN keeps packed float32
+# copies); bf16 past the 1-32 that its AMX GEMM takes on the plain weight
+# (tests/worker/test_warm_up.py checks the windows).
 WARM_UP_ROWS = 8
+WARM_UP_ROWS_BF16 = 48
+
+
+def warm_up_rows(dtype: torch.dtype) -> int:
+    return WARM_UP_ROWS_BF16 if dtype == torch.bfloat16 else WARM_UP_ROWS
 
 
 @torch.inference_mode()
 def warm_up_gemms(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Run ``WARM_UP_ROWS`` rows of activations (``dtype``) through the GEMM of every linear
+    """Run ``warm_up_rows(dtype)`` rows of activations (``dtype``) through the GEMM of every linear
     layer and LM head of ``model``'s language part (a vision tower's weights stay as they are
     until an image comes: text-only serving would carry their prepared copies for nothing);
     returns how many GEMMs ran."""
-    count = 0
+    count, rows = 0, warm_up_rows(dtype)
     for name, module in model.named_modules():
         if name == "visual" or name.startswith("visual."):
             continue
         if isinstance(module, LinearBase):
-            x = torch.full((WARM_UP_ROWS, module.input_size), 0.01, dtype=dtype, device=device)
+            x = torch.full((rows, module.input_size), 0.01, dtype=dtype, device=device)
             module.quant_method.apply(module, x, None)
         elif isinstance(module, ParallelLMHead):
-            module.local_logits(torch.full((WARM_UP_ROWS, module.weight.shape[1]), 0.01,
+            module.local_logits(torch.full((rows, module.weight.shape[1]), 0.01,
                                            dtype=dtype, device=device))
         else:
             continue

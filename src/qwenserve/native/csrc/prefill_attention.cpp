@@ -20,72 +20,17 @@
 #include <memory>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "vec_math.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define QS_PREFILL_AMX 1
-#endif
 
 namespace {
 
-#if defined(QS_PREFILL_AMX)
-constexpr int64_t ROWS = 16;        // tile rows
-constexpr int64_t TILE = 16 * 32;   // bf16 elements of a 16 x 64-byte tile
-
-// Whether this process may use the tiles (Linux grants them per process, on request).
-bool permitted() {
-  static const bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-// All eight tiles as 16 rows x 64 bytes, set on each thread of a call (oneDNN's GEMMs set their
-// own configuration in between).
-void configure() {
-  struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = ROWS;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// rows[i] (16 x 32-bit each) -> cols[j][i] = rows[i][j]: a 16 x 16 transpose of 32-bit words.
-inline void transpose16(const __m512* rows, __m512* cols) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks
-    a[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
-    a[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // 4 x 4
-    for (int j = 0; j < 2; ++j) {
-      const __m512d x = _mm512_castps_pd(a[i + j]), y = _mm512_castps_pd(a[i + j + 2]);
-      b[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
-      b[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
-    }
-  }
-  for (int i = 0; i < 16; i += 8) {  // 8 x 8: 128-bit lanes
-    for (int j = 0; j < 4; ++j) {
-      a[i + j] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0x88);
-      a[i + j + 4] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {  // 16 x 16: 256-bit halves
-    cols[j] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0x88);
-    cols[j + 8] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0xdd);
-  }
-}
+#if defined(QS_AMX)
+using qs_amx::configure;
+using qs_amx::permitted;
+using qs_amx::ROWS;
+using qs_amx::TILE;
+using qs_amx::transpose16;
 
 // K of one head as B tiles of Q . K^T: tile (t, c) row r holds, for tokens n = 16t .. 16t+15,
 // the pair of dims (32c + 2r, 32c + 2r + 1): the transpose of the tokens' 32-dim rows taken as
@@ -285,7 +230,7 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
     }
   }
 }
-#endif  // QS_PREFILL_AMX
+#endif  // QS_AMX
 
 }  // namespace
 
@@ -293,7 +238,7 @@ extern "C" {
 
 // 1 where this build and process run the AMX kernel.
 int prefill_attention_available() {
-#if defined(QS_PREFILL_AMX)
+#if defined(QS_AMX)
   return permitted() ? 1 : 0;
 #else
   return 0;
@@ -305,7 +250,7 @@ int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q,
                            const uint16_t* k, int64_t k_stride, const uint16_t* v,
                            int64_t v_stride, int64_t L, int64_t S, int64_t hq, int64_t hkv,
                            int64_t d, float scale) {
-#if defined(QS_PREFILL_AMX)
+#if defined(QS_AMX)
   if (d <= 0 || d % 32 != 0 || hkv <= 0 || hq % hkv != 0 || L <= 0 || L > S || !(scale > 0.f) ||
       !permitted())
     return 1;

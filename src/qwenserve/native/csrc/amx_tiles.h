@@ -1,0 +1,73 @@
+// Intel AMX tile helpers shared by the kernels that use the tiles (prefill attention, bf16 GEMM).
+// QS_AMX is defined where the build has AMX-BF16 and AVX512-BF16; the helpers exist only then.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QS_AMX 1
+#endif
+
+#if defined(QS_AMX)
+namespace qs_amx {
+
+constexpr int64_t ROWS = 16;        // tile rows
+constexpr int64_t TILE = 16 * 32;   // bf16 elements of a 16 x 64-byte tile
+
+// Whether this process may use the tiles (Linux grants them per process, on request).
+inline bool permitted() {
+  static const bool ok = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// All eight tiles as 16 rows x 64 bytes, set on each thread of a call (oneDNN's GEMMs set their
+// own configuration in between).
+inline void configure() {
+  struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = ROWS;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// rows[i] (16 x 32-bit each) -> cols[j][i] = rows[i][j]: a 16 x 16 transpose of 32-bit words.
+inline void transpose16(const __m512* rows, __m512* cols) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks
+    a[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
+    a[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4
+    for (int j = 0; j < 2; ++j) {
+      const __m512d x = _mm512_castps_pd(a[i + j]), y = _mm512_castps_pd(a[i + j + 2]);
+      b[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+      b[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {  // 8 x 8: 128-bit lanes
+    for (int j = 0; j < 4; ++j) {
+      a[i + j] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0x88);
+      a[i + j + 4] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {  // 16 x 16: 256-bit halves
+    cols[j] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0x88);
+    cols[j + 8] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0xdd);
+  }
+}
+
+}  // namespace qs_amx
+#endif  // QS_AMX
