@@ -3,7 +3,6 @@
 Float32, prefill and many-sequence decode: the native blocked GEMM below. bf16, decode-sized
 batches on AMX CPUs: ``with_amx_gemm``.
 
-
 ``native/csrc/sgemm.cpp`` computes ``x @ W.T + b`` from the [N, K] weight as the model keeps it
 (only x is packed, per call), so weight accounting, tied embeddings and sharded-state saving see
 one tensor. It replaces the platform GEMM from ``min_rows`` rows of x up to ``max_rows`` (0: no
@@ -48,7 +47,7 @@ def _native_or(kernel: Sgemm, min_rows: int, max_rows: int | None, linear: Linea
 @functools.cache
 def with_amx_gemm(linear: LinearFn, max_rows: int) -> LinearFn:
     """``linear`` with bf16 calls of 1 to ``max_rows`` rows of x sent to ``native/csrc/bgemm.cpp``
-    (AMX tiles on the plain weight: 1.2-1.4x oneDNN's packed bf16 kernels at 1-32 rows,
+    (AMX tiles on the plain weight: 1.1-2x oneDNN's packed bf16 kernels per shape at 1-32 rows,
     docs/benchmarks.md "bf16 decode GEMMs on AMX tiles"); ``max_rows`` 0 or no AMX: ``linear``
     itself (the same function object for the same arguments)."""
     kernel = bgemm() if max_rows > 0 else None

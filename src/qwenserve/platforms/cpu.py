@@ -108,9 +108,10 @@ class CpuPlatform(Platform):
     native_gemm_min_rows = 16 if _has_avx512() else 8
     native_gemm_max_rows = 64 if _has_avx512() else 0
     # bf16 GEMMs of 1-32 rows (decode at low and moderate concurrency) on AMX tiles, reading the
-    # plain weight: 1.2-1.4x oneDNN's packed kernels there, slower from 48 rows, where each
-    # further 32 rows re-read the weight (Emerald Rapids Xeon, docs/benchmarks.md "bf16 decode
-    # GEMMs on AMX tiles"). CPUs without AMX keep oneDNN (the kernel does not load there).
+    # plain weight: 1.1-2x oneDNN's packed kernels per shape there (decode steps 1.14-1.32x
+    # faster at 1-32 sequences), slower from 48 rows, where each further 32 rows re-read the
+    # weight (Emerald Rapids Xeon, docs/benchmarks.md "bf16 decode GEMMs on AMX tiles"). CPUs
+    # without AMX keep oneDNN (the kernel does not load there).
     amx_gemm_max_rows = 32
     # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
     # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire
@@ -180,8 +181,8 @@ class CpuPlatform(Platform):
         # native kernel (AVX2 vpmaddwd, the weight read once for all rows) ran 1.0-6x faster than
         # fp32: there it takes every int8 GEMM. With VNNI/AMX oneDNN (on packed weights) keeps
         # 3 rows and up (it beat fp32 2.2-3.8x on AVX512-VNNI, docs/quantization.md), and the
-        # native kernel, 32 values a step there (vpdpwssd), 1-2 rows: W8A8 decode steps 1.27-1.30x
-        # faster than oneDNN's at batch 1, 1.08x at 2, level at 4 on an Emerald Rapids Xeon
+        # native kernel, 32 values a step there (vpdpwssd), 1-2 rows: W8A8 decode steps 1.27-1.32x
+        # faster than oneDNN's at batch 1, 1.08-1.11x at 2, level at 4 on an Emerald Rapids Xeon
         # (docs/benchmarks.md, "bf16 decode GEMMs on AMX tiles").
         return 2 if self._has_int8_dot() else 1 << 62
 
