@@ -31,15 +31,17 @@ def with_native_gemm(linear: LinearFn, min_rows: int, max_rows: int = 0) -> Line
     kernel = sgemm() if min_rows > 0 else None
     if kernel is None:
         return linear
-    return functools.partial(_native_or, kernel, min_rows, max_rows or None, linear)
+    return functools.partial(_window_or, kernel, min_rows, max_rows or None, linear)
 
 
-def _native_or(kernel: Sgemm, min_rows: int, max_rows: int | None, linear: LinearFn,
+def _window_or(kernel: Sgemm | Bgemm, min_rows: int, max_rows: int | None, linear: LinearFn,
                x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for calls of ``min_rows`` to ``max_rows`` rows of x (None: no limit) that it
+    takes, with a bias (if any) in its dtype; ``linear`` for the rest."""
     rows = x.numel() // max(x.shape[-1], 1)
     if (rows >= min_rows and (max_rows is None or rows <= max_rows)
-            and kernel.supports(x, weight) and (bias is None or bias.dtype == torch.float32)):
+            and kernel.supports(x, weight) and (bias is None or bias.dtype == kernel.dtype)):
         return kernel(x, weight, bias)
     return linear(x, weight, bias)
 
@@ -53,13 +55,4 @@ def with_amx_gemm(linear: LinearFn, max_rows: int) -> LinearFn:
     kernel = bgemm() if max_rows > 0 else None
     if kernel is None:
         return linear
-    return functools.partial(_amx_or, kernel, max_rows, linear)
-
-
-def _amx_or(kernel: Bgemm, max_rows: int, linear: LinearFn, x: torch.Tensor,
-            weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (rows <= max_rows and kernel.supports(x, weight)
-            and (bias is None or bias.dtype == torch.bfloat16)):
-        return kernel(x, weight, bias)
-    return linear(x, weight, bias)
+    return functools.partial(_window_or, kernel, 1, max_rows, linear)

@@ -188,16 +188,24 @@ class _RowMajorGemm:
         self._fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
         self._fn.restype = ctypes.c_int
 
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``__call__`` takes this pair: CPU tensors in ``dtype``, a contiguous [N, K]
+        weight (x of any layout: its rows are copied when they are not contiguous)."""
+        return (x.dtype == w.dtype == self.dtype and x.is_cpu and w.is_cpu and w.dim() == 2
+                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
+                and w.is_contiguous())
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K], w [N, K] contiguous, bias [N] or None -> [..., N] in ``dtype``."""
+        """x [..., K], w [N, K] contiguous, bias [N] in ``dtype`` or None -> [..., N] in
+        ``dtype``."""
         n, k = w.shape
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1 or x2.stride(0) < k:
             x2 = x2.contiguous()
         if bias is not None:
-            bias = bias.to(self.dtype).contiguous()
-            assert bias.numel() == n
+            bias = bias.contiguous()
+            assert bias.dtype == self.dtype and bias.numel() == n
         out = torch.empty(x2.shape[0], n, dtype=self.dtype)
         status = self._fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
                           None if bias is None else bias.data_ptr(), x2.shape[0], n, k,
@@ -215,13 +223,6 @@ class Sgemm(_RowMajorGemm):
 
     dtype = torch.float32
     statuses = "1: empty shape, 2: built without AVX2+FMA, 3: out of memory"
-
-    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Whether ``__call__`` takes this pair: float32 CPU tensors, a contiguous [N, K]
-        weight (x of any layout: its rows are copied when they are not contiguous)."""
-        return (x.dtype == w.dtype == torch.float32 and x.is_cpu and w.is_cpu and w.dim() == 2
-                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
-                and w.is_contiguous())
 
 
 def sgemm() -> Sgemm | None:
@@ -244,12 +245,8 @@ class Bgemm(_RowMajorGemm):
     statuses = "1: a shape it does not take, 2: no AMX, 3: out of memory"
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Whether ``__call__`` takes this pair: bf16 CPU tensors, a contiguous [N, K] weight
-        with N and K multiples of 32 (x of any layout: its rows are copied when they are not
-        contiguous)."""
-        return (x.dtype == w.dtype == torch.bfloat16 and x.is_cpu and w.is_cpu and w.dim() == 2
-                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] % 32 == 0
-                and w.shape[1] % 32 == 0 and w.shape[0] > 0 and w.is_contiguous())
+        """As the base's, with N and K multiples of 32 (the kernel's tiles)."""
+        return super().supports(x, w) and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
 
 
 @functools.cache
