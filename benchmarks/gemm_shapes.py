@@ -15,8 +15,8 @@ one torch thread, so other processes' load inflates it less than wall time), the
                     x packed per call), if built
 
 With ``--dtype bfloat16`` x and W are bf16 and the routes those that take it: F.linear, onednn,
-onednn_packed, and ``amx`` (qwenserve.native's AMX GEMM for small batches, csrc/bgemm.cpp; the
-weight read in place), where the CPU has AMX.
+onednn_packed, ``native`` where the CPU has AVX512-BF16, and ``amx`` (qwenserve.native's AMX GEMM
+for small batches, csrc/bgemm.cpp; the weight read in place), where the CPU has AMX.
 
 With ``--int8`` the routes are the W8A8 GEMM's (int8 x int8 -> int32, as ``Int8Matmul`` runs
 it): ``torch._int_mm`` (oneDNN) and the native kernel, against fp32 oneDNN on the same shape.
@@ -88,7 +88,8 @@ def routes(w: torch.Tensor, m: int, keep: set[str] | None = None
         out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
             x, blocked, None, "none", [], "")
     native = gemv()
-    if native is not None and m <= native.MAX_ROWS and fp32:
+    if (native is not None and m <= native.MAX_ROWS
+            and native.supports(torch.empty(m, w.shape[1], dtype=w.dtype), w)):
         out["native"] = lambda x: native(x, w)
     blocked_native = sgemm()
     if blocked_native is not None and fp32:

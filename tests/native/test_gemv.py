@@ -1,5 +1,6 @@
 """The native skinny GEMM (native/csrc/gemv.cpp) against plain PyTorch: float32 within summation
-order, int8 exact; and the seams that route decode-sized GEMMs to it."""
+order, bf16 as fp32 sums rounded once, int8 exact; and the seams that route decode-sized GEMMs to
+it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native.kernels import gemv
-from qwenserve.platforms.cpu import CpuPlatform
+from qwenserve.platforms.cpu import CpuPlatform, _cpu_flags
 from qwenserve.quantization.kernels import (
     Int8Matmul,
     int8_mm_reference,
@@ -21,6 +22,9 @@ from qwenserve.quantization.kernels import (
 
 KERNEL = gemv()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="native kernels not built here")
+# the bf16 path is built for CPUs with AVX512-BF16 (the library is built for the host's ISA)
+HAS_BF16_DOT = KERNEL is not None and "avx512_bf16" in _cpu_flags()
+needs_bf16 = pytest.mark.skipif(not HAS_BF16_DOT, reason="no AVX512-BF16 on this CPU")
 # (rows of x, N, K): tails in N (blocks of 4 rows) and K (vectors of 8/16), 1-9 rows (passes of 4)
 # K past the 32-wide (AVX512), 16-wide (AVX2) and scalar steps: 48 = 32 + 16, 113 = 3 x 32 + 16 + 1
 SHAPES = [(1, 1, 1), (1, 5, 13), (2, 33, 100), (3, 64, 896), (4, 1152, 896), (5, 7, 4864),
@@ -45,6 +49,33 @@ def test_int8_is_exact(m, n, k, threads):
     assert torch.equal(got, (x.long() @ w.long().t()).int())
 
 
+@needs_bf16
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_bf16_is_fp32_sums_with_the_bias_rounded_once(m, n, k, threads):
+    """The products summed in fp32 with the bias, then one rounding to bf16 (as F.linear): all
+    but a few elements (sums within fp32 rounding of a bf16 tie) equal that exactly; a second
+    rounding for the bias or a truncation would miss many."""
+    torch.manual_seed(m * n * k)
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    got = KERNEL(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    exact = (x.double() @ w.double().t() + bias.double()).float().bfloat16()
+    torch.testing.assert_close(got.float(), exact.float(), rtol=2**-7, atol=1e-6)
+    assert (got == exact).float().mean() >= 0.9
+    torch.testing.assert_close(KERNEL(x, w).float(), (x.double() @ w.double().t()).float()
+                               .bfloat16().float(), rtol=2**-7, atol=1e-6)
+
+
+@needs_bf16
+def test_bf16_nan_and_inf_propagate():
+    x, w = torch.ones(1, 64).bfloat16(), torch.ones(8, 64).bfloat16()
+    w[0, 3], w[1, 5] = float("nan"), float("inf")
+    got = KERNEL(x, w)
+    assert got[0, 0].isnan() and got[0, 1].isinf() and torch.equal(got[0, 2:].float(),
+                                                                     torch.full((6,), 64.0))
+
+
 @needs_kernel
 def test_extremes_do_not_overflow():
     """-128 * -128 summed over 4864 inputs (the down projection's K) fits int32 exactly."""
@@ -58,7 +89,8 @@ def test_leading_dims_and_refusals():
     assert KERNEL(x, w).shape == (2, 1, 24)
     assert not KERNEL.supports(x.double(), w.double())
     assert not KERNEL.supports(x, w.t().contiguous().t())  # not a contiguous [N, K] weight
-    assert not KERNEL.supports(x.bfloat16(), w.bfloat16())
+    assert KERNEL.supports(x.bfloat16(), w.bfloat16()) == HAS_BF16_DOT
+    assert not KERNEL.supports(x.bfloat16(), w)  # mixed dtypes
 
 
 @needs_kernel
@@ -71,6 +103,19 @@ def test_float_linear_routes_decode_rows_to_the_kernel(rows, to_kernel):
     assert fallback.calls == (0 if to_kernel else 1)
     assert linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16  # other dtypes: fallback
     assert with_skinny_gemm(fallback, 4) is linear  # one function per platform GEMM
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,to_kernel", [(1, True), (2, True), (3, False)])
+def test_bf16_rows_have_their_own_limit(rows, to_kernel):
+    fallback = RecordingLinear()
+    linear = with_skinny_gemm(fallback, 4, 2)
+    x, w, b = torch.randn(rows, 96).bfloat16(), torch.randn(40, 96).bfloat16(), torch.randn(40)
+    torch.testing.assert_close(linear(x, w, b.bfloat16()).float(),
+                               F.linear(x, w, b.bfloat16()).float(), rtol=2**-7, atol=1e-2)
+    assert fallback.calls == (0 if to_kernel else 1)
+    linear(torch.randn(4, 96), w.float(), b)  # float32 keeps its 4 rows
+    assert fallback.calls == (0 if to_kernel else 1)
 
 
 def test_cpu_backends_use_it_and_reference_does_not():

@@ -89,7 +89,7 @@ def float_linear_route(platform: Platform, linear: LinearFn) -> LinearFn:
     native = with_native_gemm(linear, platform.native_gemm_min_rows,
                               platform.native_gemm_max_rows)
     return with_skinny_gemm(with_amx_gemm(native, platform.amx_gemm_max_rows),
-                            platform.skinny_gemm_max_rows)
+                            platform.skinny_gemm_max_rows, platform.bf16_skinny_gemm_max_rows)
 
 
 @dataclass(frozen=True)

@@ -140,33 +140,50 @@ def prefill_attention() -> PrefillAttention | None:
 
 class Gemv:
     """``csrc/gemv.cpp``: ``x @ w.T`` for a few rows of x (decode), streaming the [N, K] weight
-    once; float32, and int8 x int8 -> int32 (exact, as ``torch._int_mm``)."""
+    once; float32, bf16 (fp32 sums, where the build has AVX512-BF16) and int8 x int8 -> int32
+    (exact, as ``torch._int_mm``)."""
 
-    MAX_ROWS = 4  # fp32 decode rows; from 8 rows oneDNN's blocked GEMM wins (benchmarks.md)
+    MAX_ROWS = 4  # decode rows; from 8 rows the blocked GEMMs win (benchmarks.md)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._f32, self._s8 = lib.gemv_f32, lib.gemv_s8s32
-        for fn in (self._f32, self._s8):
+        # dtype of x and w -> (entry point, dtype of the result)
+        self._entries = {torch.float32: (lib.gemv_f32, torch.float32),
+                         torch.int8: (lib.gemv_s8s32, torch.int32)}
+        for fn, _ in self._entries.values():
             fn.argtypes = [_P, _P, _P, _I, _I, _I]
             fn.restype = ctypes.c_int
+        if lib.gemv_bf16_fast():  # its entry also takes the bias (added before the rounding)
+            lib.gemv_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+            lib.gemv_bf16.restype = ctypes.c_int
+            self._entries[torch.bfloat16] = (lib.gemv_bf16, torch.bfloat16)
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether ``__call__`` takes this pair: CPU, same dtype, a contiguous [N, K] weight."""
-        return (x.dtype == w.dtype and x.dtype in (torch.float32, torch.int8)
+        return (x.dtype == w.dtype and x.dtype in self._entries
                 and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
                 and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
                 and w.shape[1] > 0 and w.is_contiguous())
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [..., K], w [N, K] contiguous -> [..., N] (float32, or int32 for int8)."""
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K], w [N, K] contiguous, bias [N] or None -> [..., N] (float32, bf16, or
+        int32 for int8; a bias with int8 is the caller's to add after its scaling)."""
+        assert bias is None or x.dtype != torch.int8, "int8 sums are scaled before any bias"
         n, k = w.shape
         x2 = x.reshape(-1, k).contiguous()
-        out = torch.empty(x2.shape[0], n, dtype=torch.float32 if x.dtype == torch.float32
-                          else torch.int32)
-        fn = self._f32 if x.dtype == torch.float32 else self._s8
-        if fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(), x2.shape[0], n, k):
+        fn, out_dtype = self._entries[x.dtype]
+        out = torch.empty(x2.shape[0], n, dtype=out_dtype)
+        args = (out.data_ptr(), x2.data_ptr(), w.data_ptr())
+        in_kernel = x.dtype == torch.bfloat16  # added in fp32 before the one rounding
+        if in_kernel:
+            b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+            status = fn(*args, None if b is None else b.data_ptr(), x2.shape[0], n, k)
+        else:
+            status = fn(*args, x2.shape[0], n, k)
+        if status:
             raise ValueError(f"gemv: unsupported shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
-        return out.view(*x.shape[:-1], n)
+        out = out.view(*x.shape[:-1], n)
+        return out if bias is None or in_kernel else out.add_(bias)
 
 
 def gemv() -> Gemv | None:

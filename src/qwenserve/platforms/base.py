@@ -25,9 +25,11 @@ class Platform(ABC):
     default_elementwise_backend: ClassVar[str] = "torch_ref"
     default_sampling_backend: ClassVar[str] = "torch_ref"  # the sampler's draw
     default_block_size: ClassVar[int] = 16
-    # GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
-    # (native/csrc/gemv.cpp, which streams the weight once) where it builds; 0: never.
+    # float32 / bf16 GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
+    # (native/csrc/gemv.cpp, which streams the weight once) where it builds (bf16: with
+    # AVX512-BF16); 0: never.
     skinny_gemm_max_rows: ClassVar[int] = 0
+    bf16_skinny_gemm_max_rows: ClassVar[int] = 0
     # float32 GEMMs with at least native_gemm_min_rows rows of x (prefill, batched decode) and at
     # most native_gemm_max_rows (0: no limit) go to the native blocked GEMM
     # (native/csrc/sgemm.cpp) where it builds; min 0: never.

@@ -98,6 +98,11 @@ class CpuPlatform(Platform):
     # oneDNN's CPU time per shape at 1-4 rows on the AVX2 EPYC (docs/benchmarks.md, "GEMM
     # routes"); from 8 rows the blocked GEMM below wins.
     skinny_gemm_max_rows = 4
+    # bf16 GEMMs of 1-2 rows (decode at one or two sequences) stream the weight in gemv.cpp with
+    # AVX512-BF16 dot products, prefetching a block ahead: 1.1-1.35x the AMX kernel's speed per
+    # shape at 1 row, 1.1-1.2x at 2, level at 3-4 (Emerald Rapids Xeon, docs/benchmarks.md
+    # "Decode GEMMs at the read bandwidth"); from 3 rows the AMX kernel (or oneDNN) takes them.
+    bf16_skinny_gemm_max_rows = 2
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
     # place): 0.98-2.16x oneDNN's speed (CPU time) on the model's shapes at 8-2048 rows on the AVX2
     # EPYC, 1.1x or more but for o at 256 and qkv at 2048 rows; 0.91-1.33x at 6 over two runs

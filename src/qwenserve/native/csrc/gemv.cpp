@@ -1,22 +1,38 @@
 // Skinny GEMMs against a row-major weight [N, K], as decode runs them:
 //
-//   y[m, n] = sum_k x[m, k] * w[n, k]          float32, or int8 x int8 -> exact int32
+//   y[m, n] = sum_k x[m, k] * w[n, k]          float32; bf16 (fp32 sums); int8 x int8 -> int32
 //
 // At a few rows of x the product is bound by streaming W from memory; this loop reads W once, in
 // the [N, K] layout the model keeps (no repacked copy): threads split the output rows in blocks
 // of ROWS weight rows (independent loads overlap), and each block meets all M rows of x while it
-// sits in L1/L2. fp32 is used for 1-4 rows (oneDNN's blocked GEMM wins from 8); int8 for any M on
-// CPUs without VNNI, where oneDNN's int8 GEMM is 20x slower than fp32 (benchmarks.md, "GEMM
-// routes"). Plain C++ (AVX2 intrinsics for int8) built at first use; called through ctypes.
+// sits in L1/L2. Decode uses it for fp32 at 1-4 rows (from 8 the blocked GEMMs win), for bf16 at
+// 1-2 (where the build has AVX512-BF16; the AMX kernel from 3), and for int8 at 1-2 rows, or any
+// M on CPUs without VNNI, where oneDNN's int8 GEMM is 20x slower than fp32 (benchmarks.md, "GEMM
+// routes"). Plain C++ (intrinsics for int8 and bf16) built at first use; called through ctypes.
 #include <algorithm>
 #include <cstdint>
-#if defined(__AVX2__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t ROWS = 4;  // weight rows per block
+
+// Each thread streams its share of W block by block. At a few rows of x the hardware prefetcher
+// alone left the stream at 15-19 GB/s where plain reads reach ~26 (2-core Emerald Rapids Xeon);
+// loading the same k of the next block's rows while this block is summed keeps it at 22-27
+// (docs/benchmarks.md, "Decode GEMMs at the read bandwidth"). Prefetches never fault, so the
+// last block's run past W's end is harmless.
+template <typename T>
+inline void prefetch_next_block(const T* const (&wr)[ROWS], int64_t K, int64_t k) {
+#if defined(__SSE__)
+  for (int64_t r = 0; r < ROWS; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(wr[r] + ROWS * K + k), _MM_HINT_T0);
+#else
+  (void)wr, (void)K, (void)k;
+#endif
+}
 
 // float32: ROWS weight rows x M input rows; accumulators are vectorised by the compiler.
 template <int M>
@@ -67,6 +83,7 @@ inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, i
     // 32 values a step in 16-bit lanes; with AVX512-VNNI the multiply-add is one instruction
     __m512i b0 = _mm512_setzero_si512(), b1 = b0, b2 = b0, b3 = b0;
     for (; k + 32 <= K; k += 32) {
+      if (m == 0 && k % 64 == 0) prefetch_next_block(wr, K, k);
       const __m512i xv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + k)));
 #if defined(__AVX512VNNI__)
 #define QS_ROW(a, r) \
@@ -89,6 +106,7 @@ inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, i
 #if defined(__AVX2__)
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (; k + 16 <= K; k += 16) {
+      if (m == 0 && k % 64 == 0) prefetch_next_block(wr, K, k);
       const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xm + k)));
 #define QS_ROW(a, r) \
   a = _mm256_add_epi32(a, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16( \
@@ -111,24 +129,76 @@ inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, i
   }
 }
 
+// bf16: products summed in fp32 (as the AMX and oneDNN kernels), 32 values a step with
+// AVX512-BF16's vdpbf16ps, the bias added in fp32 and one rounding to bf16 at the end (as
+// F.linear). Other builds take the scalar loop.
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <int M>
+inline void block_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                       int64_t n0, int64_t rows, int64_t N, int64_t K) {
+  const uint16_t* wr[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) wr[r] = w + (n0 + std::min(r, rows - 1)) * K;
+  float acc[M][ROWS] = {};
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  __m512 a[M][ROWS];
+  for (int m = 0; m < M; ++m)
+    for (int64_t r = 0; r < ROWS; ++r) a[m][r] = _mm512_setzero_ps();
+  for (; k + 32 <= K; k += 32) {
+    prefetch_next_block(wr, K, k);
+    __m512bh wv[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r)
+      wv[r] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wr[r] + k));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * K + k));
+      for (int64_t r = 0; r < ROWS; ++r) a[m][r] = _mm512_dpbf16_ps(a[m][r], wv[r], xv);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int64_t r = 0; r < ROWS; ++r) acc[m][r] = _mm512_reduce_add_ps(a[m][r]);
+#endif
+  for (; k < K; ++k)
+    for (int m = 0; m < M; ++m) {
+      const float xv = bf16_to_f32(x[m * K + k]);
+      for (int64_t r = 0; r < ROWS; ++r) acc[m][r] += xv * bf16_to_f32(wr[r][k]);
+    }
+  for (int m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r)
+      y[m * N + n0 + r] = f32_to_bf16(acc[m][r] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.f));
+}
+
 using BlockF32 = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
 using BlockS8 = void (*)(int32_t*, const int8_t*, const int8_t*, int64_t, int64_t, int64_t,
                          int64_t);
+using BlockBF16 = void (*)(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t,
+                           int64_t, int64_t, int64_t);
 
 constexpr int64_t MAX_M = 4;  // rows of x per block call
 
 // Threads split the weight into blocks of ROWS rows; each block meets every row of x, in groups
 // of up to MAX_M, while it is hot in L1/L2: the weight is read from memory once for any M.
-template <typename T, typename Acc, typename Block>
-int dispatch(Acc* y, const T* x, const T* w, int64_t M, int64_t N, int64_t K,
-             const Block (&blocks)[MAX_M]) {
+// ``block(i, n0, rows, m)`` runs weight rows n0 .. n0+rows-1 against rows m .. m+i of x.
+template <typename Block>
+int dispatch(int64_t M, int64_t N, int64_t K, const Block& block) {
   if (N <= 0 || K <= 0 || M <= 0) return 1;
   const int64_t nblocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n0 = b * ROWS, rows = std::min(ROWS, N - n0);
-    for (int64_t m = 0; m < M; m += MAX_M)
-      blocks[std::min(MAX_M, M - m) - 1](y + m * N, x + m * K, w, n0, rows, N, K);
+    for (int64_t m = 0; m < M; m += MAX_M) block(std::min(MAX_M, M - m) - 1, n0, rows, m);
   }
   return 0;
 }
@@ -137,15 +207,38 @@ int dispatch(Acc* y, const T* x, const T* w, int64_t M, int64_t N, int64_t K,
 
 extern "C" {
 
-// x [M, K], w [N, K], y [M, N]; all contiguous. Returns 0, or 1 for an empty shape.
+// x [M, K], w [N, K], y [M, N]; all contiguous. Each returns 0, or 1 for an empty shape.
 int gemv_f32(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K) {
   static const BlockF32 blocks[MAX_M] = {block_f32<1>, block_f32<2>, block_f32<3>, block_f32<4>};
-  return dispatch<float, float>(y, x, w, M, N, K, blocks);
+  return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
+    blocks[i](y + m * N, x + m * K, w, n0, rows, N, K);
+  });
 }
 
 int gemv_s8s32(int32_t* y, const int8_t* x, const int8_t* w, int64_t M, int64_t N, int64_t K) {
   static const BlockS8 blocks[MAX_M] = {block_s8<1>, block_s8<2>, block_s8<3>, block_s8<4>};
-  return dispatch<int8_t, int32_t>(y, x, w, M, N, K, blocks);
+  return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
+    blocks[i](y + m * N, x + m * K, w, n0, rows, N, K);
+  });
+}
+
+// 1 where this build sums bf16 with AVX512-BF16 (vdpbf16ps), else 0 (its scalar loop is slow).
+int gemv_bf16_fast() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// bf16 x [M, K], w [N, K], bias [N] or null -> bf16 y [M, N] (fp32 sums, one rounding).
+int gemv_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t M,
+              int64_t N, int64_t K) {
+  static const BlockBF16 blocks[MAX_M] = {block_bf16<1>, block_bf16<2>, block_bf16<3>,
+                                          block_bf16<4>};
+  return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
+    blocks[i](y + m * N, x + m * K, w, bias, n0, rows, N, K);
+  });
 }
 
 }  // extern "C"
