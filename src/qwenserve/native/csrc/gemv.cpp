@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t ROWS = 4;  // weight rows per block
@@ -131,21 +133,7 @@ inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, i
 
 // bf16: products summed in fp32 (as the AMX and oneDNN kernels), 32 values a step with
 // AVX512-BF16's vdpbf16ps, the bias added in fp32 and one rounding to bf16 at the end (as
-// F.linear). Other builds take the scalar loop.
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
-  uint32_t bits;
-  __builtin_memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
+// F.linear; vec_math.h's conversions). Other builds take the scalar loop.
 template <int M>
 inline void block_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                        int64_t n0, int64_t rows, int64_t N, int64_t K) {
@@ -172,12 +160,12 @@ inline void block_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const 
 #endif
   for (; k < K; ++k)
     for (int m = 0; m < M; ++m) {
-      const float xv = bf16_to_f32(x[m * K + k]);
-      for (int64_t r = 0; r < ROWS; ++r) acc[m][r] += xv * bf16_to_f32(wr[r][k]);
+      const float xv = to_float(x[m * K + k]);
+      for (int64_t r = 0; r < ROWS; ++r) acc[m][r] += xv * to_float(wr[r][k]);
     }
   for (int m = 0; m < M; ++m)
     for (int64_t r = 0; r < rows; ++r)
-      y[m * N + n0 + r] = f32_to_bf16(acc[m][r] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.f));
+      y[m * N + n0 + r] = bf16_bits(acc[m][r] + (bias ? to_float(bias[n0 + r]) : 0.f));
 }
 
 using BlockF32 = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
