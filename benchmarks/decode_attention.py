@@ -35,11 +35,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--contiguous", action="store_true",
                    help="each sequence's blocks side by side (default: shuffled over the pool)")
+    p.add_argument("--kernel", default="default", choices=["default", "amx", "vdpbf16ps"],
+                   help="bf16: the AMX kernel (where it runs) or the vdpbf16ps one")
+    p.add_argument("--amx-min-group", type=int, default=0,
+                   help="query heads per KV head from which the AMX kernel runs (default: 4)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     kernel = decode_attention()
     assert kernel is not None, "the native kernel did not build"
+    if args.kernel != "default":
+        assert kernel.use_amx(args.kernel == "amx", args.amx_min_group) or args.kernel != "amx"
+    elif args.amx_min_group:
+        kernel.use_amx(True, args.amx_min_group)
     dtype = getattr(torch, args.dtype)
     bs, n, d = args.block_size, args.seqs, args.head_dim
     per_seq = -(-args.context // bs)

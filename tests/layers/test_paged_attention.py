@@ -10,6 +10,7 @@ import torch
 
 from qwenserve.layers.attention import ChunkLayout, get_attention_backend
 from qwenserve.layers.attention.base import kv_slot_ids
+from qwenserve.platforms.cpu import _cpu_flags
 
 BLOCK, HQ, HKV, D, NUM_BLOCKS = 4, 6, 2, 8, 32
 
@@ -65,9 +66,30 @@ def test_batched_decodes_and_prefills_match_dense_attention(dtype, backend_name,
                                    atol=tol, rtol=tol)
 
 
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def bf16_kernel(request):
+    """Each native decode test with both bf16 kernels: the AMX one (grouped heads, on CPUs with
+    AMX; the default there) and the vdpbf16ps one (the default elsewhere). Where the AMX one
+    cannot run, both runs take the other."""
+    kernels = _native_backend().kernels if _native_backend() is not None else None
+    if kernels is not None:
+        available = kernels.use_amx(request.param == "amx")
+        assert available or "amx_bf16" not in _cpu_flags() or not native_kernels_have_amx()
+    yield request.param
+    if kernels is not None:
+        kernels.use_amx(True)
+
+
+def native_kernels_have_amx() -> bool:
+    """Whether this build of the native kernels has AMX code (a compiler that knows the tiles)."""
+    from qwenserve.native.kernels import bgemm
+
+    return bgemm() is not None
+
+
 @pytest.mark.parametrize("d", [64, 128, 256, 72])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype):
+def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype, bf16_kernel):
     """The C++ decode kernel is in use where a compiler is (CI has one), and agrees with the
     reference on a GQA batch with contexts ending mid-block, for the head sizes it unrolls (64,
     128, 256; in bf16 on AVX512-BF16 CPUs the vdpbf16ps kernel) and one it loops over (72);
@@ -80,7 +102,7 @@ def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_reuses_its_buffers_across_shapes(dtype):
+def test_native_decode_reuses_its_buffers_across_shapes(dtype, bf16_kernel):
     """The kernel keeps per-thread scratch (scores, widened rows, sums) between calls: a call
     after a longer context, more query heads per KV head or a larger head still agrees with
     the reference (nothing of the earlier call is read)."""
@@ -94,7 +116,7 @@ def test_native_decode_reuses_its_buffers_across_shapes(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_splits_a_small_batch_over_the_threads(dtype):
+def test_native_decode_splits_a_small_batch_over_the_threads(dtype, bf16_kernel):
     """With fewer sequences than threads (batch 1 on two cores) each sequence's KV heads are
     split into ranges, one task each: every split (one head a task, uneven ranges, two
     sequences sharing four threads) agrees with the reference."""
@@ -110,6 +132,51 @@ def test_native_decode_splits_a_small_batch_over_the_threads(dtype):
             _check_native_decode(native, d, dtype, hq, hkv, lens)
     finally:
         torch.set_num_threads(threads)
+
+
+# (Hq, Hkv, D): the AMX kernel's shapes: Qwen2.5's 7 heads a KV head, Qwen3's 2 (its fewest),
+# 16 (one KV head a 16-row tile), 32 query heads (two ranges of 16), Qwen3.5's heads of 256
+AMX_SHAPES = [(14, 2, 64), (4, 2, 128), (16, 1, 64), (32, 4, 128), (8, 2, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("shape", AMX_SHAPES)
+def test_native_decode_reads_no_slot_past_the_context(shape, block_size, dtype, bf16_kernel):
+    """The AMX kernel reads K in place 16 positions at a time, so it reads the slots after a
+    context's last position in its block: with every unwritten slot NaN, contexts ending at,
+    before and after 16- and 32-position edges (and longer than a 128-slot block) still agree
+    with float64 attention (a NaN let into the weights or the sums of V would show). Blocks of
+    32 and 128 slots also caught the vdpbf16ps kernel weighting positions 16.. of a block with
+    stale weights (fixed 2026-12-06)."""
+    native = _native_backend()
+    if native is None:
+        return
+    hq, hkv, d = shape
+    torch.manual_seed(4)
+    lens = [1, 15, 16, 17, 31, 32, 33, 64, 200]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    cache = torch.full((2, num_blocks * block_size, hkv, d), float("nan"), dtype=dtype)
+    order = (torch.randperm(num_blocks - 1) + 1).tolist()
+    chunks, qs, ks, vs, histories = [], [], [], [], []
+    for i, n in enumerate(lens):
+        blocks = [order.pop() for _ in range(-(-n // block_size))]
+        k_all, v_all = (torch.randn(n, hkv, d).to(dtype) for _ in range(2))
+        earlier = torch.tensor(kv_slot_ids(blocks, 0, n - 1, block_size), dtype=torch.long)
+        cache[0, earlier], cache[1, earlier] = k_all[:-1], v_all[:-1]
+        chunks.append(ChunkLayout(i, 1, n - 1, blocks))
+        qs.append(torch.randn(1, hq, d).to(dtype))
+        ks.append(k_all[-1:])
+        vs.append(v_all[-1:])
+        histories.append((k_all, v_all))
+    meta = native.build_metadata(chunks, block_size, torch.device("cpu"))
+    out = native.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5)
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for c, q, (k_all, v_all) in zip(chunks, qs, histories):
+        torch.testing.assert_close(out[c.q_start].double(),
+                                   dense_reference(q, k_all, v_all, c.start_pos, d**-0.5)[0],
+                                   atol=tol, rtol=tol)
 
 
 def _native_backend():

@@ -39,6 +39,16 @@ class DecodeAttention:
                            + [_P, _P, _I, _I, _P])
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
+        self._use_amx = lib.paged_decode_use_amx
+        self._use_amx.argtypes = [ctypes.c_int, _I]
+        self._use_amx.restype = ctypes.c_int
+
+    def use_amx(self, on: bool, min_group: int = 0) -> bool:
+        """Whether bf16 decodes take the AMX kernel (the default where it runs) or the
+        vdpbf16ps one, and from how many query heads per KV head (``min_group`` > 0; default 4):
+        a switch for tests and benchmarks, process-wide. Returns whether the AMX kernel can
+        run here at all."""
+        return bool(self._use_amx(int(on), min_group))
 
     def supports(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (q.dtype in self._fns and kv_cache.dtype == q.dtype and q.device.type == "cpu"

@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include "amx_tiles.h"
 #include "vec_math.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -331,12 +332,6 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     }
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
-      alignas(64) float w[16];  // this block's softmax weights (unnormalised) of the head
-      const __mmask16 live = tail_mask(count);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
-          _mm512_maskz_loadu_ps(live, scores.data() + head * len + start), shift[head])));
-      total[head] = _mm512_add_ps(total[head], e);
-      _mm512_store_ps(w, e);
       const __m512* rh = rows.data() + (head / group) * VC;
       // Heads of up to 128: two sets of accumulators (even and odd positions), twice the
       // independent FMA chains, so the FMA units are not waiting on the previous position's
@@ -344,19 +339,32 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
       // 32 registers and spilled (6 layers of 8 x 256 heads: 18.9 -> 15.7 ms with one).
       __m512 a[VC], o[VC];
       for (int c = 0; c < VC; ++c) a[c] = acc[head * VC + c], o[c] = _mm512_setzero_ps();
-      int64_t t = 0;
-      if constexpr (VC < 16) {
-        for (; t + 2 <= count; t += 2) {
-          const __m512 w0 = _mm512_set1_ps(w[t]), w1 = _mm512_set1_ps(w[t + 1]);
-          for (int c = 0; c < VC; ++c) {
-            a[c] = _mm512_fmadd_ps(w0, rh[t * row_vectors + c], a[c]);
-            o[c] = _mm512_fmadd_ps(w1, rh[(t + 1) * row_vectors + c], o[c]);
+      // the block's positions 16 at a time (blocks of 32 to 256 slots: a 16-lane vector of
+      // weights covered only the first 16, and the rest were summed with stale weights)
+      for (int64_t sub = 0; sub < count; sub += 16) {
+        const int64_t m = std::min<int64_t>(16, count - sub);
+        alignas(64) float w[16];  // these positions' softmax weights (unnormalised)
+        const __mmask16 live = tail_mask(m);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
+            _mm512_maskz_loadu_ps(live, scores.data() + head * len + start + sub),
+            shift[head])));
+        total[head] = _mm512_add_ps(total[head], e);
+        _mm512_store_ps(w, e);
+        const __m512* rs = rh + sub * row_vectors;
+        int64_t t = 0;
+        if constexpr (VC < 16) {
+          for (; t + 2 <= m; t += 2) {
+            const __m512 w0 = _mm512_set1_ps(w[t]), w1 = _mm512_set1_ps(w[t + 1]);
+            for (int c = 0; c < VC; ++c) {
+              a[c] = _mm512_fmadd_ps(w0, rs[t * row_vectors + c], a[c]);
+              o[c] = _mm512_fmadd_ps(w1, rs[(t + 1) * row_vectors + c], o[c]);
+            }
           }
         }
-      }
-      for (; t < count; ++t) {
-        const __m512 w0 = _mm512_set1_ps(w[t]);
-        for (int c = 0; c < VC; ++c) a[c] = _mm512_fmadd_ps(w0, rh[t * row_vectors + c], a[c]);
+        for (; t < m; ++t) {
+          const __m512 w0 = _mm512_set1_ps(w[t]);
+          for (int c = 0; c < VC; ++c) a[c] = _mm512_fmadd_ps(w0, rs[t * row_vectors + c], a[c]);
+        }
       }
       for (int c = 0; c < VC; ++c) acc[head * VC + c] = _mm512_add_ps(a[c], o[c]);
     }
@@ -372,6 +380,206 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   }
 }
 #endif
+
+#if defined(QS_AMX)
+// bf16 caches on CPUs with AMX, heads sharing a KV head 4 or more (most Qwen models). Both
+// products are tile products, with K read in place:
+//   scores^T [16 positions x 16 query heads] += K [16 positions x 32 dims] . Q^T [32 dims x 16]
+// K's rows, as the cache holds them, are an A tile (a row of 64 bytes: 32 dims of a position;
+// the rows slot_stride apart), so K is never moved or widened; Q^T is a B tile built once per
+// call, one per KV head and 32 dims, holding only that KV head's query heads (the other columns
+// zero), so the KV heads of a range add into one C tile. One 16 x 16 transpose per 16 positions
+// then turns the scores into rows per query head. The weighted sum of V:
+//   out [16 heads x 16 dims] += P [16 heads x 32 positions] . V [32 positions x 16 dims]
+// with P's rows (the softmax weights, rounded to bf16) zero but for one KV head's heads, and V's
+// rows interleaved in pairs of positions (unpacklo/hi of two rows: 4 of each 8 dims a tile,
+// undone on the output). Two passes as the kernels above (scores for the whole context, then
+// weights and V), sums in fp32; rounding the weights to bf16 is the one difference in precision
+// (the prefill kernel does the same). An earlier version with Q as the A tile had to transpose
+// K into B tiles and spent 3/4 of its time on it (docs/benchmarks.md).
+namespace amx_decode {
+
+using qs_amx::TILE;
+
+// Output dims of a 32-dim pair of tiles (unpacklo: cols -> dims 0-3, 8-11, ..; unpackhi: 4-7,
+// 12-15, ..), as indices into [lo | hi] for dims 0-15 and 16-31.
+alignas(64) constexpr int32_t UNDO_LO[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) constexpr int32_t UNDO_HI[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                              12, 13, 14, 15, 28, 29, 30, 31};
+
+inline void prefetch_lines(const uint16_t* p, int64_t values) {
+  for (int64_t j = 0; j < values; j += 32) _mm_prefetch(reinterpret_cast<const char*>(p + j),
+                                                        _MM_HINT_T0);
+}
+
+// KV heads h0 .. h1-1 of one sequence, (h1 - h0) * group <= 16 query heads. block_size % 16 ==
+// 0, so 16 positions from a multiple of 16 lie in one block (rows past the context are read,
+// inside that block, and their scores never used).
+template <int CH>  // CH = D / 32
+void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
+                  const uint16_t* v_cache, const int64_t* table, int64_t len, int64_t group,
+                  int64_t hkv, int64_t block_size, float scale, int64_t h0, int64_t h1) {
+  constexpr int64_t D = 32 * CH, DT = D / 16;  // dims; 16-dim output tiles
+  const int64_t slot_stride = hkv * D, nkv = h1 - h0, heads = nkv * group, first = h0 * group;
+  const int64_t groups16 = (len + 15) / 16, width = (len + 31) / 32 * 32;
+  static thread_local std::vector<uint16_t> qt, weights, vt;
+  static thread_local std::vector<float> craw, scores;
+  qt.resize(nkv * CH * TILE), craw.resize(groups16 * 256), scores.resize(16 * width);
+  weights.assign(nkv * TILE, 0), vt.resize(nkv * DT * TILE);
+  alignas(64) float acc[16 * D];
+  // Q^T tiles: a KV head's query heads' rows (others zero) as 32-bit pairs, transposed
+  for (int64_t j = 0; j < nkv; ++j)
+    for (int c = 0; c < CH; ++c) {
+      __m512 rows[16], cols[16];
+      for (int64_t r = 0; r < 16; ++r)
+        rows[r] = r / group == j && r < heads
+                      ? _mm512_loadu_ps(q + (first + r) * D + 32 * c)
+                      : _mm512_setzero_ps();
+      qs_amx::transpose16(rows, cols);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(qt.data() + (j * CH + c) * TILE + 32 * r,
+                                                   cols[r]);
+    }
+  auto k_rows = [&](int64_t t) {  // position t's K rows of KV heads h0..: slot_stride apart
+    return k_cache + (table[t / block_size] * block_size + t % block_size) * slot_stride + h0 * D;
+  };
+  // scores^T of 16 positions at a time, into craw [groups16][16 positions][16 heads]
+  for (int64_t g = 0; g < groups16; ++g) {
+    const uint16_t* kb = k_rows(16 * g);
+    if (g + 1 < groups16) {  // the next block's rows (hardware prefetchers cannot guess it)
+      const uint16_t* next = k_rows(16 * g + 16);
+      for (int r = 0; r < 16; ++r) prefetch_lines(next + r * slot_stride, nkv * D);
+    }
+    _tile_zero(0);
+    for (int64_t j = 0; j < nkv; ++j)
+      for (int c = 0; c < CH; ++c) {
+        _tile_loadd(1, kb + j * D + 32 * c, slot_stride * 2);
+        _tile_loadd(2, qt.data() + (j * CH + c) * TILE, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+    _tile_stored(0, craw.data() + g * 256, 64);
+  }
+  // rows per head, scaled: scores [16 heads][width]
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < groups16; ++g) {
+    __m512 rows[16], cols[16];
+    for (int r = 0; r < 16; ++r) rows[r] = _mm512_loadu_ps(craw.data() + g * 256 + 16 * r);
+    qs_amx::transpose16(rows, cols);
+    for (int64_t h = 0; h < heads; ++h)
+      _mm512_storeu_ps(scores.data() + h * width + 16 * g, _mm512_mul_ps(cols[h], vscale));
+  }
+  __m512 shift[16], total[16];
+  for (int64_t h = 0; h < heads; ++h) {
+    shift[h] = _mm512_set1_ps(max16(scores.data() + h * width, len));
+    total[h] = _mm512_setzero_ps();
+  }
+  auto v_row = [&](int64_t t) {
+    return v_cache + (table[t / block_size] * block_size + t % block_size) * slot_stride + h0 * D;
+  };
+  // The weighted sum of V, 32 positions at a time: their P tiles (one a KV head) and V tiles
+  // are built, then multiplied. Built for the whole context first (64 KB of tiles at 256
+  // positions, past L1), the same took 1.2x as long (64 x 272-token contexts x 24 layers:
+  // 10.5 -> 8.9 ms).
+  for (int64_t t0 = 0; t0 < width; t0 += 32) {
+    // P: weights exp(s - max), rows of the KV head's query heads (0 past the context)
+    const __mmask16 live_lo = tail_mask(len - t0), live_hi = tail_mask(len - t0 - 16);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* sh = scores.data() + h * width + t0;
+      const __m512 lo = _mm512_maskz_mov_ps(
+          live_lo, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live_lo, sh), shift[h])));
+      const __m512 hi = _mm512_maskz_mov_ps(
+          live_hi, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live_hi, sh + 16), shift[h])));
+      total[h] = _mm512_add_ps(total[h], _mm512_add_ps(lo, hi));
+      _mm512_storeu_si512(weights.data() + (h / group) * TILE + 32 * h,
+                          (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    // V: rows of positions 2r and 2r+1 interleaved (zeros past the context). The 32 positions
+    // lie in one or two blocks: a row is its half's first row plus an offset.
+    const uint16_t* half[2] = {v_row(t0), t0 + 16 < len ? v_row(t0 + 16) : nullptr};
+    const uint16_t* ahead[2] = {t0 + 32 < len ? v_row(t0 + 32) : nullptr,
+                                t0 + 48 < len ? v_row(t0 + 48) : nullptr};
+    for (int r = 0; r < 16; ++r) {
+      const int64_t i = (2 * r) % 16;
+      const uint16_t* a = t0 + 2 * r < len ? half[r / 8] + i * slot_stride : nullptr;
+      const uint16_t* b = t0 + 2 * r + 1 < len ? half[r / 8] + (i + 1) * slot_stride : nullptr;
+      if (ahead[r / 8] != nullptr) {  // the next 32 positions' rows
+        prefetch_lines(ahead[r / 8] + i * slot_stride, nkv * D);
+        prefetch_lines(ahead[r / 8] + (i + 1) * slot_stride, nkv * D);
+      }
+      for (int64_t j = 0; j < nkv; ++j)
+        for (int c = 0; c < CH; ++c) {
+          const __m512i x = a ? _mm512_loadu_si512(a + j * D + 32 * c) : _mm512_setzero_si512();
+          const __m512i y = b ? _mm512_loadu_si512(b + j * D + 32 * c) : _mm512_setzero_si512();
+          uint16_t* tile = vt.data() + (j * DT + 2 * c) * TILE + 32 * r;
+          _mm512_storeu_si512(tile, _mm512_unpacklo_epi16(x, y));
+          _mm512_storeu_si512(tile + TILE, _mm512_unpackhi_epi16(x, y));
+        }
+    }
+    // out += P . V, 64 dims (four C tiles) at a time; heads of 64 keep them over the context
+    for (int64_t dt = 0; dt < DT; dt += 4) {
+      if (t0 == 0) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+      } else if (DT > 4) {
+        _tile_loadd(4, acc + 16 * dt, D * 4);
+        _tile_loadd(5, acc + 16 * dt + 16, D * 4);
+        _tile_loadd(6, acc + 16 * dt + 32, D * 4);
+        _tile_loadd(7, acc + 16 * dt + 48, D * 4);
+      }
+      for (int64_t j = 0; j < nkv; ++j) {
+        const uint16_t* vb = vt.data() + (j * DT + dt) * TILE;
+        _tile_loadd(0, weights.data() + j * TILE, 64);
+        _tile_loadd(1, vb, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, vb + TILE, 64);
+        _tile_dpbf16ps(5, 0, 2);
+        _tile_loadd(3, vb + 2 * TILE, 64);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, vb + 3 * TILE, 64);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+      if (DT > 4 || t0 + 32 == width) {
+        _tile_stored(4, acc + 16 * dt, D * 4);
+        _tile_stored(5, acc + 16 * dt + 16, D * 4);
+        _tile_stored(6, acc + 16 * dt + 32, D * 4);
+        _tile_stored(7, acc + 16 * dt + 48, D * 4);
+      }
+    }
+  }
+  if (width == 0) std::memset(acc, 0, sizeof acc);  // no context: zeros, as the kernels above
+  const __m512i undo_lo = _mm512_load_si512(UNDO_LO), undo_hi = _mm512_load_si512(UNDO_HI);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float sum = _mm512_reduce_add_ps(total[h]);  // as softmax_rows: 0 for no context
+    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+    for (int c = 0; c < CH; ++c) {
+      const __m512 lo = _mm512_load_ps(acc + h * D + 32 * c);
+      const __m512 hi = _mm512_load_ps(acc + h * D + 32 * c + 16);
+      const __m512 d0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, undo_lo, hi), inv);
+      const __m512 d1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, undo_hi, hi), inv);
+      _mm512_storeu_si512(out + (first + h) * D + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(d1, d0));
+    }
+  }
+}
+
+// A sequence's KV heads h0 .. h1-1 in ranges of at most 16 query heads.
+template <int CH>
+void decode_seq(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
+                const uint16_t* v_cache, const int64_t* table, int64_t len, int64_t hq,
+                int64_t hkv, int64_t d, int64_t block_size, float scale, int64_t h0, int64_t h1) {
+  const int64_t group = hq / hkv, per_range = 16 / group;
+  for (int64_t a = h0; a < h1; a += per_range)
+    decode_range<CH>(out, q, k_cache, v_cache, table, len, group, hkv, block_size, scale, a,
+                     std::min(h1, a + per_range));
+}
+
+}  // namespace amx_decode
+#endif  // QS_AMX
+
+// Whether bf16 decodes may take the AMX kernel (tests and benchmarks turn it off to reach the
+// vdpbf16ps one on the same machine).
+bool use_amx = true;
+int64_t AMX_MIN_GROUP = 2;  // query heads per KV head from which the AMX kernel runs
 
 // The step's new tokens, written into their cache slots by the kernel before any sequence
 // attends (all of them first, as the two index_copy_ calls did: tables may share blocks): row i
@@ -402,6 +610,16 @@ int decode_all(T* out, const T* q, int64_t q_stride, T* k_cache, T* v_cache,
     if (d == 256) one = decode_seq_bf16<8>;
   }
 #endif
+  bool amx = false;  // the AMX kernel: each thread configures its tiles once a call
+#if defined(QS_AMX)
+  if constexpr (sizeof(T) == 2) {
+    amx = use_amx && hq / hkv >= AMX_MIN_GROUP && hq / hkv <= 16 && block_size % 16 == 0 &&
+          (d == 64 || d == 128 || d == 256) && qs_amx::permitted();
+    if (amx)
+      one = d == 64 ? amx_decode::decode_seq<2>
+            : d == 128 ? amx_decode::decode_seq<4> : amx_decode::decode_seq<8>;
+  }
+#endif
   const int64_t slot_stride = hkv * d;
   // One task per sequence, all its KV heads: a block holds every head's rows side by side,
   // and the heads' tasks on different cores each pulled the whole block from memory (the
@@ -422,12 +640,18 @@ int decode_all(T* out, const T* q, int64_t q_stride, T* k_cache, T* v_cache,
                     slot_stride * sizeof(T));
       }  // the loop's barrier: every new row is in place before any sequence reads
     }
+#if defined(QS_AMX)
+    if (amx) qs_amx::configure();  // this thread's tiles, for the call
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n * parts; ++task) {
       const int64_t i = task / parts, part = task % parts;
       one(out + i * hq * d, q + i * q_stride, k_cache, v_cache, tables + i * table_width,
           lens[i], hq, hkv, d, block_size, scale, hkv * part / parts, hkv * (part + 1) / parts);
     }
+#if defined(QS_AMX)
+    if (amx) _tile_release();
+#endif
   }
   return 0;
 }
@@ -456,6 +680,18 @@ int paged_decode_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, uint16
   return decode_all(out, q, q_stride, k_cache, v_cache, tables, table_width, lens, n, hq, hkv, d,
                     block_size, scale,
                     NewKV<uint16_t>{k_new, v_new, k_stride, v_stride, new_slots});
+}
+
+// 1: bf16 decodes take the AMX kernel where the CPU and process have AMX (the default); 0: the
+// vdpbf16ps one. Returns whether this build and process can run the AMX kernel at all.
+int paged_decode_use_amx(int on, int64_t min_group) {
+  use_amx = on != 0;
+  if (min_group > 0) AMX_MIN_GROUP = min_group;
+#if defined(QS_AMX)
+  return qs_amx::permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 }  // extern "C"
