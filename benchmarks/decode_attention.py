@@ -8,6 +8,7 @@ pool (``--contiguous``: side by side). Medians of ``--repeats`` steps.
 
     PYTHONPATH=src python benchmarks/decode_attention.py [--dtype bfloat16] [--seqs 64]
         [--context 264] [--layers 24] [--heads 14 --kv-heads 2 --head-dim 64] [--threads 2]
+        [--kernels default,16-lane]
 """
 
 from __future__ import annotations
@@ -35,19 +36,27 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--contiguous", action="store_true",
                    help="each sequence's blocks side by side (default: shuffled over the pool)")
-    p.add_argument("--kernel", default="default", choices=["default", "amx", "vdpbf16ps"],
-                   help="bf16: the AMX kernel (where it runs) or the vdpbf16ps one")
+    p.add_argument("--kernels", default="default",
+                   help="comma-separated, run alternating in each repeat: default (the route: "
+                        "AMX for grouped bf16 heads where the CPU has it, the 16-lane kernel for "
+                        "fp32 on AVX512), amx, 16-lane (bf16: vdpbf16ps), generic (fp32: the "
+                        "8-lane kernel)")
     p.add_argument("--amx-min-group", type=int, default=0,
-                   help="query heads per KV head from which the AMX kernel runs (default: 4)")
+                   help="query heads per KV head from which the AMX kernel runs (default: 2)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     kernel = decode_attention()
     assert kernel is not None, "the native kernel did not build"
-    if args.kernel != "default":
-        assert kernel.use_amx(args.kernel == "amx", args.amx_min_group) or args.kernel != "amx"
-    elif args.amx_min_group:
-        kernel.use_amx(True, args.amx_min_group)
+    kinds = args.kernels.split(",")
+    for kind in kinds:
+        assert kind in ("default", "amx", "16-lane", "generic"), f"unknown kernel {kind!r}"
+
+    def select(kind: str) -> None:
+        assert kernel.use_amx(kind in ("default", "amx"), args.amx_min_group) or kind != "amx", \
+            "no AMX kernel here"
+        assert kernel.use_wide_f32(kind != "generic") or kind != "16-lane", "no AVX512 here"
+
     dtype = getattr(torch, args.dtype)
     bs, n, d = args.block_size, args.seqs, args.head_dim
     per_seq = -(-args.context // bs)
@@ -60,20 +69,23 @@ def main() -> None:
     lens = torch.full((n,), args.context, dtype=torch.int64)
     q = torch.randn(n, args.heads, d, generator=gen).to(dtype)
     scale = d ** -0.5
-    times = []
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for _ in range(args.repeats + 2):
-        start = time.perf_counter()
-        for cache in caches:
-            kernel(q, cache, tables, lens, bs, scale)
-        times.append(time.perf_counter() - start)
-    step = statistics.median(times[2:])
+        for kind in kinds:
+            select(kind)
+            start = time.perf_counter()
+            for cache in caches:
+                kernel(q, cache, tables, lens, bs, scale)
+            times[kind].append(time.perf_counter() - start)
+    select("default")
     kv_bytes = 2 * n * args.context * args.kv_heads * d * dtype.itemsize * args.layers
     flops = 4 * n * args.context * args.heads * d * args.layers
-    print(f"{args.dtype}, {n} x {args.context} tokens, {args.layers} layers, "
-          f"{args.heads}/{args.kv_heads} heads of {d}, {torch.get_num_threads()} threads: "
-          f"{step * 1e3:.1f} ms a step, K+V {kv_bytes / step / 1e9:.1f} GB/s, "
-          f"{flops / step / 1e9:.0f} GFLOP/s")
-
+    for kind in kinds:
+        step = statistics.median(times[kind][2:])
+        print(f"{args.dtype}, {n} x {args.context} tokens, {args.layers} layers, "
+              f"{args.heads}/{args.kv_heads} heads of {d}, {torch.get_num_threads()} threads, "
+              f"{kind} kernel: {step * 1e3:.1f} ms a step, K+V {kv_bytes / step / 1e9:.1f} "
+              f"GB/s, {flops / step / 1e9:.0f} GFLOP/s")
 
 if __name__ == "__main__":
     main()

@@ -66,18 +66,23 @@ def test_batched_decodes_and_prefills_match_dense_attention(dtype, backend_name,
                                    atol=tol, rtol=tol)
 
 
-@pytest.fixture(params=["amx", "vdpbf16ps"])
+@pytest.fixture(params=["default", "16-lane", "generic"])
 def bf16_kernel(request):
-    """Each native decode test with both bf16 kernels: the AMX one (grouped heads, on CPUs with
-    AMX; the default there) and the vdpbf16ps one (the default elsewhere). Where the AMX one
-    cannot run, both runs take the other."""
+    """Each native decode test with every kernel this CPU runs. default: the AMX kernel for bf16
+    (grouped heads, on CPUs with AMX) and the 16-lane one for fp32 (AVX512 CPUs); 16-lane: bf16
+    on the vdpbf16ps kernel (AVX512-BF16 CPUs); generic: fp32 on the 8-lane kernel. Where a
+    kernel cannot run, its runs take the next one."""
     kernels = _native_backend().kernels if _native_backend() is not None else None
     if kernels is not None:
-        available = kernels.use_amx(request.param == "amx")
-        assert available or "amx_bf16" not in _cpu_flags() or not native_kernels_have_amx()
+        available = kernels.use_amx(request.param == "default")
+        if request.param == "default":
+            assert available or "amx_bf16" not in _cpu_flags() or not native_kernels_have_amx()
+        wide = kernels.use_wide_f32(request.param != "generic")
+        assert wide or "avx512f" not in _cpu_flags()
     yield request.param
     if kernels is not None:
         kernels.use_amx(True)
+        kernels.use_wide_f32(True)
 
 
 def native_kernels_have_amx() -> bool:

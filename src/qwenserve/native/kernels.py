@@ -42,6 +42,9 @@ class DecodeAttention:
         self._use_amx = lib.paged_decode_use_amx
         self._use_amx.argtypes = [ctypes.c_int, _I]
         self._use_amx.restype = ctypes.c_int
+        self._use_wide_f32 = lib.paged_decode_use_avx512_f32
+        self._use_wide_f32.argtypes = [ctypes.c_int]
+        self._use_wide_f32.restype = ctypes.c_int
 
     def use_amx(self, on: bool, min_group: int = 0) -> bool:
         """Whether bf16 decodes take the AMX kernel (the default where it runs) or the
@@ -49,6 +52,12 @@ class DecodeAttention:
         a switch for tests and benchmarks, process-wide. Returns whether the AMX kernel can
         run here at all."""
         return bool(self._use_amx(int(on), min_group))
+
+    def use_wide_f32(self, on: bool) -> bool:
+        """Whether fp32 decodes take the 16-lane AVX512 kernel (the default where the build
+        has AVX512) or the generic 8-lane one: a switch for tests and benchmarks, process-wide.
+        Returns whether the 16-lane kernel is built here."""
+        return bool(self._use_wide_f32(int(on)))
 
     def supports(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (q.dtype in self._fns and kv_cache.dtype == q.dtype and q.device.type == "cpu"

@@ -11,10 +11,11 @@
 // passes: scores, then softmax-weighted V), in float32 whatever the cache dtype. Rows are
 // handled as vectors of 8 floats (GCC vector extensions: AVX2 where the machine has it, SSE
 // pairs elsewhere); the G dot products of a row are independent chains, so they overlap in the
-// core. On CPUs with AVX512-BF16, bf16 caches with heads of 64, 128 or 256 take
-// decode_seq_bf16 instead (all KV heads of a sequence in one pass over its blocks; vdpbf16ps
-// on K in place, softmax and 16-wide FMAs on V block by block). Plain C++ over raw
-// pointers, called through ctypes: it builds in seconds and needs no torch headers.
+// core. Heads of 64, 128 or 256 take decode_seq16 instead on AVX512 CPUs, fp32 caches and (with
+// AVX512-BF16) bf16 ones: all KV heads of a sequence in one pass over its blocks, K in place
+// (vdpbf16ps for bf16), softmax and 16-wide FMAs on V block by block. bf16 caches on CPUs with
+// AMX take amx_decode (tile products, below) where 2-16 query heads share a KV head. Plain C++
+// over raw pointers, called through ctypes: it builds in seconds and needs no torch headers.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -124,7 +125,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
                 int64_t len, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                 float scale) {
   const int64_t group = hq / hkv, slot_stride = hkv * d, chunks = CH > 0 ? CH : d / W;
-  // per-thread buffers, reused across tasks and calls (see decode_seq_bf16)
+  // per-thread buffers, reused across tasks and calls (see decode_seq16)
   static thread_local std::vector<v8> qv, acc, rows;
   static thread_local std::vector<float> scores, inv;
   qv.resize(group * chunks), acc.assign(group * chunks, v8{}), rows.resize(block_size * chunks);
@@ -215,14 +216,15 @@ void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const in
     decode_one<T, CH>(out, q, k_cache, v_cache, table, len, h, hq, hkv, d, block_size, scale);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-// bf16 caches on CPUs with AVX512-BF16 (Sapphire Rapids, Zen 4): the scores take K in place
-// with vdpbf16ps (32 bf16 products summed pairwise into 16 fp32 lanes, each product exact), so
-// K is never widened and a 64-dim dot product is two instructions; sixteen positions' lane
-// vectors are reduced together (hsum16: 45 operations for 16 sums). V is widened once per block
-// into an fp32 buffer and summed with 16-wide FMAs. Scores, softmax and the sums stay fp32, as
-// in the generic kernel; the summation order differs, and the exponentials are exp16's (the
-// same polynomial as exp_approx, within an ulp of it).
+#if defined(__AVX512F__)
+// 16 lanes on AVX512 CPUs, for fp32 caches and (with AVX512-BF16: Sapphire Rapids, Zen 4) bf16
+// ones: the scores take K in place (bf16: vdpbf16ps, 32 bf16 products summed pairwise into 16
+// fp32 lanes, each product exact, so a 64-dim dot product is two instructions; fp32: 16-wide
+// FMAs), and sixteen positions' lane vectors are reduced together (hsum16: 45 operations for 16
+// sums). V is loaded once per block into an fp32 buffer (bf16 widened) and summed with 16-wide
+// FMAs. Scores, softmax and the sums stay fp32, as in the generic kernel; the summation order
+// differs, and the exponentials are exp16's (the same polynomial as exp_approx, within an ulp of
+// it). The generic kernel's 8-lane vectors left an fp32 cache at half the width of the CPU's.
 typedef int32_t i16v __attribute__((vector_size(64)));
 typedef float f16v __attribute__((vector_size(64)));
 #if defined(__clang__)
@@ -258,21 +260,54 @@ inline __m512 hsum16(const __m512* s) {
       SHUFFLE16(g[0], g[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
 }
 
-template <int CH>  // CH = D / 32: bf16 vectors per row
-inline __m512 dot_bf16(const __m512bh* qg, const uint16_t* k) {
+// How the 16-lane kernel reads each cache dtype: a query head's row as VC / Rows::STEP vectors
+// of Q (its dot products with K's rows take those in place) and V's rows as fp32 vectors.
+struct F32Rows {
+  using T = float;
+  using Q = __m512;
+  static constexpr int STEP = 1;  // fp32 vectors a Q vector spans
+  static Q load_q(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 dot(__m512 s, Q q, const float* k) {
+    return _mm512_fmadd_ps(q, _mm512_loadu_ps(k), s);
+  }
+  static __m512 load_v(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, __m512 lo, __m512 hi) {
+    _mm512_storeu_ps(p, lo);
+    _mm512_storeu_ps(p + 16, hi);
+  }
+};
+#if defined(__AVX512BF16__)
+struct Bf16Rows {
+  using T = uint16_t;
+  using Q = __m512bh;
+  static constexpr int STEP = 2;
+  static Q load_q(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512 dot(__m512 s, Q q, const uint16_t* k) {
+    return _mm512_dpbf16_ps(s, q, (__m512bh)_mm512_loadu_si512(k));
+  }
+  static __m512 load_v(const uint16_t* p) {
+    return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)p));
+  }
+  static void store(uint16_t* p, __m512 lo, __m512 hi) {  // 32 bf16, nearest even
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+};
+#endif
+
+template <typename Rows, int VC>  // VC = D / 16: fp32 vectors per row
+inline __m512 dot16(const typename Rows::Q* qg, const typename Rows::T* k) {
   __m512 s = _mm512_setzero_ps();
-  for (int c = 0; c < CH; ++c)
-    s = _mm512_dpbf16_ps(s, qg[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  for (int c = 0; c < VC / Rows::STEP; ++c) s = Rows::dot(s, qg[c], k + 16 * Rows::STEP * c);
   return s;
 }
 
-// KV heads h0 .. h1-1 of the sequence (all of them, unless decode_all split the sequence).
-template <int CH>
-void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
-                     const uint16_t* v_cache, const int64_t* table, int64_t len, int64_t hq,
-                     int64_t hkv, int64_t d, int64_t block_size, float scale, int64_t h0,
-                     int64_t h1) {
-  constexpr int VC = 2 * CH;  // fp32 vectors per head's row
+template <typename Rows, int VC>
+void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
+                  const typename Rows::T* k_cache, const typename Rows::T* v_cache,
+                  const int64_t* table, int64_t len, int64_t hq, int64_t hkv, int64_t d,
+                  int64_t block_size, float scale, int64_t h0, int64_t h1) {
+  using T = typename Rows::T;
+  constexpr int QV = VC / Rows::STEP;  // Q vectors per head's row
   const int64_t group = hq / hkv, slot_stride = hkv * d;
   // this task's query heads (local index: head - first; its KV head h0 + head / group) and the
   // width of their K/V columns (block rows below start at KV head h0's)
@@ -284,34 +319,34 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   // 2.0-2.1 ms). scores are written before they are read; acc and total are cleared.
   static thread_local std::vector<float> scores;
   static thread_local std::vector<__m512> rows, acc, shift, total;
-  static thread_local std::vector<__m512bh> qv;
+  static thread_local std::vector<typename Rows::Q> qv;
   scores.resize(heads * len), rows.resize(block_size * row_vectors), shift.resize(heads);
   acc.assign(heads * VC, _mm512_setzero_ps()), total.assign(heads, _mm512_setzero_ps());
-  qv.resize(heads * CH);
+  qv.resize(heads * QV);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t head = 0; head < heads; ++head)
-    for (int c = 0; c < CH; ++c)
-      qv[head * CH + c] = (__m512bh)_mm512_loadu_si512(q + (first + head) * d + 32 * c);
+    for (int c = 0; c < QV; ++c)
+      qv[head * QV + c] = Rows::load_q(q + (first + head) * d + 16 * Rows::STEP * c);
   const int64_t slots_per_head = (block_size + heads - 1) / heads;  // prefetch_share's
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-    const uint16_t* kb = k_cache + table[b] * block_size * slot_stride + h0 * d;
-    const uint16_t* next = start + block_size < len
+    const T* kb = k_cache + table[b] * block_size * slot_stride + h0 * d;
+    const T* next = start + block_size < len
                                ? k_cache + table[b + 1] * block_size * slot_stride + h0 * d
                                : nullptr;
     const int64_t count = std::min(block_size, len - start);
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
-      const __m512bh* qg = qv.data() + head * CH;
-      const uint16_t* kh = kb + (head / group) * d;
+      const typename Rows::Q* qg = qv.data() + head * QV;
+      const T* kh = kb + (head / group) * d;
       float* sg = scores.data() + head * len + start;
       int64_t t = 0;
       for (; t + 16 <= count; t += 16) {
         __m512 s16[16];
-        for (int p = 0; p < 16; ++p) s16[p] = dot_bf16<CH>(qg, kh + (t + p) * slot_stride);
+        for (int p = 0; p < 16; ++p) s16[p] = dot16<Rows, VC>(qg, kh + (t + p) * slot_stride);
         _mm512_storeu_ps(sg + t, _mm512_mul_ps(hsum16(s16), vscale));
       }
       for (; t < count; ++t)
-        sg[t] = _mm512_reduce_add_ps(dot_bf16<CH>(qg, kh + t * slot_stride)) * scale;
+        sg[t] = _mm512_reduce_add_ps(dot16<Rows, VC>(qg, kh + t * slot_stride)) * scale;
     }
   }
   // Softmax's shift: each head's largest score. The exponentials are taken block by block in
@@ -320,15 +355,14 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   for (int64_t head = 0; head < heads; ++head)
     shift[head] = _mm512_set1_ps(max16(scores.data() + head * len, len));
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-    const uint16_t* vb = v_cache + table[b] * block_size * slot_stride + h0 * d;
-    const uint16_t* next = start + block_size < len
+    const T* vb = v_cache + table[b] * block_size * slot_stride + h0 * d;
+    const T* next = start + block_size < len
                                ? v_cache + table[b + 1] * block_size * slot_stride + h0 * d
                                : nullptr;
     const int64_t count = std::min(block_size, len - start);
     for (int64_t t = 0; t < count; ++t) {  // the task's heads' V rows widened to fp32 once
       for (int c = 0; c < row_vectors; ++c)
-        rows[t * row_vectors + c] = _mm512_cvtpbh_ps(
-            (__m256bh)_mm256_loadu_si256((const __m256i*)(vb + t * slot_stride + 16 * c)));
+        rows[t * row_vectors + c] = Rows::load_v(vb + t * slot_stride + 16 * c);
     }
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
@@ -372,11 +406,9 @@ void decode_seq_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   for (int64_t head = 0; head < heads; ++head) {
     const float sum = _mm512_reduce_add_ps(total[head]);  // as softmax_rows: 0 for no context
     const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-    for (int c = 0; c < VC; c += 2) {  // two fp32 vectors -> one of 32 bf16 (nearest even)
-      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(acc[head * VC + c + 1], inv),
-                                                _mm512_mul_ps(acc[head * VC + c], inv));
-      _mm512_storeu_si512(out + (first + head) * d + 16 * c, (__m512i)pair);
-    }
+    for (int c = 0; c < VC; c += 2)
+      Rows::store(out + (first + head) * d + 16 * c, _mm512_mul_ps(acc[head * VC + c], inv),
+                  _mm512_mul_ps(acc[head * VC + c + 1], inv));
   }
 }
 #endif
@@ -584,6 +616,9 @@ void decode_seq(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
 // Whether bf16 decodes may take the AMX kernel (tests and benchmarks turn it off to reach the
 // vdpbf16ps one on the same machine).
 bool use_amx = true;
+// Whether fp32 decodes take the 16-lane kernel on AVX512 CPUs (benchmarks turn it off to
+// compare with the generic one).
+bool use_avx512_f32 = true;
 int64_t AMX_MIN_GROUP = 2;  // query heads per KV head from which the AMX kernel runs
 
 // The step's new tokens, written into their cache slots by the kernel before any sequence
@@ -608,11 +643,20 @@ int decode_all(T* out, const T* q, int64_t q_stride, T* k_cache, T* v_cache,
               : d == 128 ? decode_seq<T, 16>
               : d == 256 ? decode_seq<T, 32>
                          : decode_seq<T, 0>;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) {
+    if (use_avx512_f32) {
+      if (d == 64) one = decode_seq16<F32Rows, 4>;
+      if (d == 128) one = decode_seq16<F32Rows, 8>;
+      if (d == 256) one = decode_seq16<F32Rows, 16>;
+    }
+  }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (sizeof(T) == 2) {
-    if (d == 64) one = decode_seq_bf16<2>;
-    if (d == 128) one = decode_seq_bf16<4>;
-    if (d == 256) one = decode_seq_bf16<8>;
+    if (d == 64) one = decode_seq16<Bf16Rows, 4>;
+    if (d == 128) one = decode_seq16<Bf16Rows, 8>;
+    if (d == 256) one = decode_seq16<Bf16Rows, 16>;
   }
 #endif
   bool amx = false;  // the AMX kernel: each thread configures its tiles once a call
@@ -694,6 +738,17 @@ int paged_decode_use_amx(int on, int64_t min_group) {
   if (min_group > 0) AMX_MIN_GROUP = min_group;
 #if defined(QS_AMX)
   return qs_amx::permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// 1: fp32 decodes take the 16-lane kernel on AVX512 builds (the default); 0: the generic one.
+// Returns whether this build has the 16-lane kernel.
+int paged_decode_use_avx512_f32(int on) {
+  use_avx512_f32 = on != 0;
+#if defined(__AVX512F__)
+  return 1;
 #else
   return 0;
 #endif
