@@ -12,6 +12,7 @@ from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native.kernels import gemv
+from qwenserve.platforms.base import int32_epilogue
 from qwenserve.platforms.cpu import CpuPlatform, _cpu_flags
 from qwenserve.quantization.kernels import (
     Int8Matmul,
@@ -47,6 +48,33 @@ def test_int8_is_exact(m, n, k, threads):
     got = KERNEL(x, w)
     assert got.dtype == torch.int32
     assert torch.equal(got, (x.long() @ w.long().t()).int())
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_int8_scaled_equals_the_torch_epilogue(m, n, k, out_dtype, threads):
+    """W8A8's GEMM with its scaling in the kernel gives int32_epilogue's values exactly (the
+    same fp32 products in the same order, one rounding to bf16), with and without the int32
+    bias and the per-token scale."""
+    torch.manual_seed(m + n + k)
+    x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) * 1e-3 + 1e-4
+    for token_scale in (torch.rand(m, 1) * 0.1 + 0.01, None):
+        for bias in (torch.randint(-5000, 5000, (n,), dtype=torch.int32), None):
+            got = KERNEL.int8_scaled(x, w, scale, token_scale, bias, out_dtype)
+            want = int32_epilogue(KERNEL(x, w), scale, token_scale, bias, out_dtype)
+            assert got.dtype == out_dtype and torch.equal(got, want)
+
+
+@needs_kernel
+def test_int8_scaled_leaves_what_it_does_not_take_to_the_caller():
+    x, w = torch.ones(1, 64, dtype=torch.int8), torch.ones(8, 64, dtype=torch.int8)
+    assert KERNEL.int8_scaled(x, w, torch.ones(8), None, None, torch.float16) is None
+    assert KERNEL.int8_scaled(x, w, torch.ones(8).double(), None, None, torch.float32) is None
+    assert KERNEL.int8_scaled(x, w, torch.ones(8), None, torch.ones(8), torch.float32) is None
+    assert KERNEL.int8_scaled(x, w, torch.ones(7), None, None, torch.float32) is None
 
 
 @needs_bf16

@@ -136,7 +136,10 @@ class Int8Matmul:
         if self._skinny_takes(a_q, w_q):
             from qwenserve.platforms.base import int32_epilogue
 
-            out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias, out_dtype)
+            out = self.skinny.int8_scaled(a_q, w_q, scale, token_scale, int_bias, out_dtype)
+            if out is None:  # an out_dtype or scales the kernel does not take
+                out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias,
+                                     out_dtype)
         elif token_scale is not None and self._quantizer_scales(a_q.shape[0]):
             # the platform scales per channel, the quantizer per token and casts: one pass
             acc = self.accumulate(a_q, w_q, scale, int_bias)

@@ -72,9 +72,10 @@ inline int32_t dot_s8_tail(const int8_t* x, const int8_t* w, int64_t k0, int64_t
   return s;
 }
 
+// y[m * ldy + r]: the sums of weight row n0 + r with x's row m.
 template <int M>
 inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, int64_t rows,
-                     int64_t N, int64_t K) {
+                     int64_t ldy, int64_t K) {
   const int8_t* wr[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) wr[r] = w + (n0 + std::min(r, rows - 1)) * K;
   for (int m = 0; m < M; ++m) {
@@ -127,7 +128,7 @@ inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, i
     }
 #endif
     for (int64_t r = 0; r < ROWS; ++r) acc[r] += dot_s8_tail(xm, wr[r], k, K);
-    for (int64_t r = 0; r < rows; ++r) y[m * N + n0 + r] = acc[r];
+    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = acc[r];
   }
 }
 
@@ -206,7 +207,35 @@ int gemv_f32(float* y, const float* x, const float* w, int64_t M, int64_t N, int
 int gemv_s8s32(int32_t* y, const int8_t* x, const int8_t* w, int64_t M, int64_t N, int64_t K) {
   static const BlockS8 blocks[MAX_M] = {block_s8<1>, block_s8<2>, block_s8<3>, block_s8<4>};
   return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
-    blocks[i](y + m * N, x + m * K, w, n0, rows, N, K);
+    blocks[i](y + m * N + n0, x + m * K, w, n0, rows, N, K);
+  });
+}
+
+// W8A8's whole GEMM: int8 x [M, K], w [N, K] -> y [M, N] float32 (out_bf16 == 0) or bf16,
+//   y = T(T32(T32(float(sum + bias[n]) * scale[n]) * token_scale[m]))
+// with bias [N] int32 and token_scale [M] optional (null), each product rounded to fp32 in
+// that order, as int32_epilogue's torch ops compute it (the same values), where those ops cost
+// 6-10 us a call (four small tensors a GEMM: ~0.7 ms of a batch-1 W8A8 step).
+int gemv_s8_scaled(void* y, const int8_t* x, const int8_t* w, const float* scale,
+                   const float* token_scale, const int32_t* bias, int64_t M, int64_t N,
+                   int64_t K, int out_bf16) {
+  static const BlockS8 blocks[MAX_M] = {block_s8<1>, block_s8<2>, block_s8<3>, block_s8<4>};
+  return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
+    int32_t acc[MAX_M * ROWS];
+    blocks[i](acc, x + m * K, w, n0, rows, ROWS, K);
+    for (int64_t j = 0; j <= i; ++j)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = n0 + r;
+        float v = static_cast<float>(bias ? acc[j * ROWS + r] + bias[n] : acc[j * ROWS + r]);
+        v *= scale[n];
+        // no reassociation into v * (scale * token_scale) (-fassociative-math is on here)
+        asm("" : "+m"(v));
+        if (token_scale) v *= token_scale[m + j];
+        if (out_bf16)
+          static_cast<uint16_t*>(y)[(m + j) * N + n] = bf16_bits(v);
+        else
+          static_cast<float*>(y)[(m + j) * N + n] = v;
+      }
   });
 }
 
