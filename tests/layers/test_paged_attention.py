@@ -67,7 +67,7 @@ def test_batched_decodes_and_prefills_match_dense_attention(dtype, backend_name,
 
 
 @pytest.fixture(params=["default", "16-lane", "generic"])
-def bf16_kernel(request):
+def decode_kernel(request):
     """Each native decode test with every kernel this CPU runs. default: the AMX kernel for bf16
     (grouped heads, on CPUs with AMX) and the 16-lane one for fp32 (AVX512 CPUs); 16-lane: bf16
     on the vdpbf16ps kernel (AVX512-BF16 CPUs); generic: fp32 on the 8-lane kernel. Where a
@@ -94,7 +94,7 @@ def native_kernels_have_amx() -> bool:
 
 @pytest.mark.parametrize("d", [64, 128, 256, 72])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype, bf16_kernel):
+def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype, decode_kernel):
     """The C++ decode kernel is in use where a compiler is (CI has one), and agrees with the
     reference on a GQA batch with contexts ending mid-block, for the head sizes it unrolls (64,
     128, 256; in bf16 on AVX512-BF16 CPUs the vdpbf16ps kernel) and one it loops over (72);
@@ -107,7 +107,7 @@ def test_native_decode_is_built_here_and_matches_torch_ref(d, dtype, bf16_kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_reuses_its_buffers_across_shapes(dtype, bf16_kernel):
+def test_native_decode_reuses_its_buffers_across_shapes(dtype, decode_kernel):
     """The kernel keeps per-thread scratch (scores, widened rows, sums) between calls: a call
     after a longer context, more query heads per KV head or a larger head still agrees with
     the reference (nothing of the earlier call is read)."""
@@ -121,7 +121,7 @@ def test_native_decode_reuses_its_buffers_across_shapes(dtype, bf16_kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_splits_a_small_batch_over_the_threads(dtype, bf16_kernel):
+def test_native_decode_splits_a_small_batch_over_the_threads(dtype, decode_kernel):
     """With fewer sequences than threads (batch 1 on two cores) each sequence's KV heads are
     split into ranges, one task each: every split (one head a task, uneven ranges, two
     sequences sharing four threads) agrees with the reference."""
@@ -147,7 +147,7 @@ AMX_SHAPES = [(14, 2, 64), (4, 2, 128), (16, 1, 64), (32, 4, 128), (8, 2, 256)]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32, 128])
 @pytest.mark.parametrize("shape", AMX_SHAPES)
-def test_native_decode_reads_no_slot_past_the_context(shape, block_size, dtype, bf16_kernel):
+def test_native_decode_reads_no_slot_past_the_context(shape, block_size, dtype, decode_kernel):
     """The AMX kernel reads K in place 16 positions at a time, so it reads the slots after a
     context's last position in its block: with every unwritten slot NaN, contexts ending at,
     before and after 16- and 32-position edges (and longer than a 128-slot block) still agree
