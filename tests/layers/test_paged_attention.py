@@ -184,6 +184,35 @@ def test_native_decode_reads_no_slot_past_the_context(shape, block_size, dtype, 
                                    atol=tol, rtol=tol)
 
 
+def test_amx_decode_is_the_same_for_every_block_size():
+    """The AMX kernel walks a context 16 positions at a time whatever the block size, so the
+    same K, V and q laid out in blocks of 16, 32 or 128 slots (shuffled over the pool) give
+    bit-identical outputs (an engine's greedy tokens do not depend on --block-size). Skipped
+    where the kernel cannot run."""
+    native = _native_backend()
+    if native is None or not native.kernels.use_amx(True):
+        pytest.skip("no AMX decode kernel here")
+    torch.manual_seed(5)
+    hq, hkv, d, lens = 14, 2, 64, [1, 16, 33, 200, 129]
+    ks = [torch.randn(n, hkv, d).bfloat16() for n in lens]
+    vs = [torch.randn(n, hkv, d).bfloat16() for n in lens]
+    q = torch.randn(len(lens), hq, d).bfloat16()
+    outs = []
+    for bs in (16, 32, 128):
+        num_blocks = sum(-(-n // bs) for n in lens) + 1
+        cache = torch.zeros(2, num_blocks * bs, hkv, d, dtype=torch.bfloat16)
+        order = (torch.randperm(num_blocks - 1) + 1).tolist()
+        tables = []
+        for n, k, v in zip(lens, ks, vs):
+            blocks = [order.pop() for _ in range(-(-n // bs))]
+            slots = torch.tensor(kv_slot_ids(blocks, 0, n, bs), dtype=torch.long)
+            cache[0, slots], cache[1, slots] = k, v
+            tables.append(blocks + [0] * (16 - len(blocks)))
+        outs.append(native.kernels(q, cache, torch.tensor(tables), torch.tensor(lens), bs,
+                                   d**-0.5))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def _native_backend():
     """The cpu_native backend with its kernel, or None where none is built (then asserted)."""
     from qwenserve.native import build, native_enabled
