@@ -48,7 +48,7 @@ class DecodeAttention:
 
     def use_amx(self, on: bool, min_group: int = 0) -> bool:
         """Whether bf16 decodes take the AMX kernel (the default where it runs) or the
-        vdpbf16ps one, and from how many query heads per KV head (``min_group`` > 0; default 4):
+        vdpbf16ps one, and from how many query heads per KV head (``min_group`` > 0; default 2):
         a switch for tests and benchmarks, process-wide. Returns whether the AMX kernel can
         run here at all."""
         return bool(self._use_amx(int(on), min_group))
@@ -206,7 +206,6 @@ class Gemv:
             raise ValueError(f"gemv: unsupported shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
         out = out.view(*x.shape[:-1], n)
         return out if bias is None or in_kernel else out.add_(bias)
-
 
     SCALED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -390,43 +389,33 @@ class Elementwise:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """RMSNorm over the last dim of x (after adding ``residual``, same shape) ->
         (normed, x + residual or None), both new contiguous tensors."""
-        if (x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
-                and (residual is None or residual.is_contiguous())):
-            # a decoder layer's norm (every step, every layer): the general path's views and
-            # checks were ~2/3 of a one-row call (16 us for ~1 us of kernel work)
-            rows, h = x.shape
-            assert weight.dtype == x.dtype and weight.numel() == h
-            out = torch.empty_like(x)
-            res_out = res_ptr = None
-            if residual is not None:
-                assert residual.shape == x.shape and residual.dtype == x.dtype
-                res_out = torch.empty_like(x)
-                res_ptr = residual.data_ptr()
-            self._norm[x.dtype](out.data_ptr(), None if res_out is None else res_out.data_ptr(),
-                                x.data_ptr(), res_ptr, weight.data_ptr(), rows, 1, h, 0, h, 0,
-                                h, eps, int(zero_centred))
-            return out, res_out
+        # Called for every decoder norm of every step: views, copies and extra allocations only
+        # where x needs them (a one-row call went 16 -> 6 us for ~1 us of kernel work).
         shape = x.shape
         if x.dim() not in (2, 3):
             x = x.reshape(-1, shape[-1])
             residual = None if residual is None else residual.reshape(-1, shape[-1])
         h = x.shape[-1]
-        weight = weight.contiguous()
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
         assert weight.dtype == x.dtype and weight.numel() == h
         n_outer, n_inner, x_so, x_si = self._rows(x)
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         res_out, r_so, r_si, res_ptr = None, 0, 0, None
         if residual is not None:
             assert residual.shape == x.shape and residual.dtype == x.dtype
             if residual.stride(-1) != 1:
                 residual = residual.contiguous()
             _, _, r_so, r_si = self._rows(residual)
-            res_out = torch.empty(x.shape, dtype=x.dtype)
+            res_out = torch.empty_like(out)
             res_ptr = residual.data_ptr()
         self._norm[x.dtype](out.data_ptr(), None if res_out is None else res_out.data_ptr(),
                             x.data_ptr(), res_ptr, weight.data_ptr(), n_outer, n_inner, x_so,
                             x_si, r_so, r_si, h, eps, int(zero_centred))
-        return out.view(shape), None if res_out is None else res_out.view(shape)
+        if out.shape != shape:
+            out = out.view(shape)
+            res_out = None if res_out is None else res_out.view(shape)
+        return out, res_out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2*I] (gate then up) -> silu(gate) * up, [..., I]."""

@@ -476,14 +476,16 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
       for (int r = 0; r < 16; ++r) _mm512_storeu_ps(qt.data() + (j * CH + c) * TILE + 32 * r,
                                                    cols[r]);
     }
-  auto k_rows = [&](int64_t t) {  // position t's K rows of KV heads h0..: slot_stride apart
-    return k_cache + (table[t / block_size] * block_size + t % block_size) * slot_stride + h0 * D;
+  // position t's row (KV heads h0..) in the K or V cache; the next positions of its block
+  // follow slot_stride apart
+  auto row_of = [&](const uint16_t* cache, int64_t t) {
+    return cache + (table[t / block_size] * block_size + t % block_size) * slot_stride + h0 * D;
   };
   // scores^T of 16 positions at a time, into craw [groups16][16 positions][16 heads]
   for (int64_t g = 0; g < groups16; ++g) {
-    const uint16_t* kb = k_rows(16 * g);
+    const uint16_t* kb = row_of(k_cache, 16 * g);
     if (g + 1 < groups16) {  // the next block's rows (hardware prefetchers cannot guess it)
-      const uint16_t* next = k_rows(16 * g + 16);
+      const uint16_t* next = row_of(k_cache, 16 * g + 16);
       for (int r = 0; r < 16; ++r) prefetch_lines(next + r * slot_stride, nkv * D);
     }
     _tile_zero(0);
@@ -509,9 +511,6 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     shift[h] = _mm512_set1_ps(max16(scores.data() + h * width, len));
     total[h] = _mm512_setzero_ps();
   }
-  auto v_row = [&](int64_t t) {
-    return v_cache + (table[t / block_size] * block_size + t % block_size) * slot_stride + h0 * D;
-  };
   // The weighted sum of V, 32 positions at a time: their P tiles (one a KV head) and V tiles
   // are built, then multiplied. Built for the whole context first (64 KB of tiles at 256
   // positions, past L1), the same took 1.2x as long (64 x 272-token contexts x 24 layers:
@@ -531,9 +530,9 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     }
     // V: rows of positions 2r and 2r+1 interleaved (zeros past the context). The 32 positions
     // lie in one or two blocks: a row is its half's first row plus an offset.
-    const uint16_t* half[2] = {v_row(t0), t0 + 16 < len ? v_row(t0 + 16) : nullptr};
-    const uint16_t* ahead[2] = {t0 + 32 < len ? v_row(t0 + 32) : nullptr,
-                                t0 + 48 < len ? v_row(t0 + 48) : nullptr};
+    const uint16_t* half[2] = {row_of(v_cache, t0), t0 + 16 < len ? row_of(v_cache, t0 + 16) : nullptr};
+    const uint16_t* ahead[2] = {t0 + 32 < len ? row_of(v_cache, t0 + 32) : nullptr,
+                                t0 + 48 < len ? row_of(v_cache, t0 + 48) : nullptr};
     for (int r = 0; r < 16; ++r) {
       const int64_t i = (2 * r) % 16;
       const uint16_t* a = t0 + 2 * r < len ? half[r / 8] + i * slot_stride : nullptr;

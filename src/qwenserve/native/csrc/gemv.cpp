@@ -177,6 +177,9 @@ using BlockBF16 = void (*)(uint16_t*, const uint16_t*, const uint16_t*, const ui
 
 constexpr int64_t MAX_M = 4;  // rows of x per block call
 
+// The int8 block for 1 .. MAX_M rows of x (gemv_s8s32 and gemv_s8_scaled).
+const BlockS8 kBlocksS8[MAX_M] = {block_s8<1>, block_s8<2>, block_s8<3>, block_s8<4>};
+
 // Threads split the weight into blocks of ROWS rows; each block meets every row of x, in groups
 // of up to MAX_M, while it is hot in L1/L2: the weight is read from memory once for any M.
 // ``block(i, n0, rows, m)`` runs weight rows n0 .. n0+rows-1 against rows m .. m+i of x.
@@ -205,9 +208,8 @@ int gemv_f32(float* y, const float* x, const float* w, int64_t M, int64_t N, int
 }
 
 int gemv_s8s32(int32_t* y, const int8_t* x, const int8_t* w, int64_t M, int64_t N, int64_t K) {
-  static const BlockS8 blocks[MAX_M] = {block_s8<1>, block_s8<2>, block_s8<3>, block_s8<4>};
   return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
-    blocks[i](y + m * N + n0, x + m * K, w, n0, rows, N, K);
+    kBlocksS8[i](y + m * N + n0, x + m * K, w, n0, rows, N, K);
   });
 }
 
@@ -219,10 +221,9 @@ int gemv_s8s32(int32_t* y, const int8_t* x, const int8_t* w, int64_t M, int64_t 
 int gemv_s8_scaled(void* y, const int8_t* x, const int8_t* w, const float* scale,
                    const float* token_scale, const int32_t* bias, int64_t M, int64_t N,
                    int64_t K, int out_bf16) {
-  static const BlockS8 blocks[MAX_M] = {block_s8<1>, block_s8<2>, block_s8<3>, block_s8<4>};
   return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
     int32_t acc[MAX_M * ROWS];
-    blocks[i](acc, x + m * K, w, n0, rows, ROWS, K);
+    kBlocksS8[i](acc, x + m * K, w, n0, rows, ROWS, K);
     for (int64_t j = 0; j <= i; ++j)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = n0 + r;
