@@ -1,7 +1,8 @@
 """The AMX bf16 GEMM for small batches (native/csrc/bgemm.cpp) against a float64 reference of the
 same bf16 operands: one rounding of fp32 sums, so within a bf16 unit of the exact result. Edge
 cases: 16-row blocks of x (one or two a pass, a last partial one, several passes past 32 rows),
-32-row weight panels split between threads, K of one to many 32-steps, bias, strided x; the
+32-row weight panels split between threads (each pass prefetching the next panel's rows), K of
+one to many 32-steps, bias, strided x; the
 refusals; and the seam that routes small bf16 batches to it. Skipped where the CPU (or the
 process) has no AMX tiles: the route is then the platform GEMM itself (tested below too)."""
 
@@ -21,7 +22,7 @@ KERNEL = bgemm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AMX tiles here")
 # (M, N, K): one row; a partial block; one and two blocks; a pass and a bit; several passes
 SHAPES = [(1, 32, 32), (7, 64, 96), (16, 32, 64), (17, 96, 128), (32, 1152, 896),
-          (33, 64, 1024), (64, 896, 4864), (100, 160, 320)]
+          (33, 64, 1024), (64, 896, 4864), (96, 1152, 896), (100, 160, 320)]
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -120,13 +121,13 @@ def test_cpu_backends_route_small_bf16_batches_through_it():
     """The CPU platform's float-linear route sends a decode-sized bf16 batch to this kernel where
     it loads (and to the platform GEMM where it does not), a larger one to the platform GEMM."""
     platform = CpuPlatform()
-    assert platform.amx_gemm_max_rows == 32
+    assert platform.amx_gemm_max_rows == 96
     base = RecordingLinear()
     route = float_linear_route(platform, base)
-    x, w, _ = _operands(8, 64, 96)
+    x, w, _ = _operands(64, 64, 96)
     route(x, w)
     assert base.calls == (0 if KERNEL is not None else 1)
-    route(torch.randn(48, 96).bfloat16(), w)
+    route(torch.randn(97, 96).bfloat16(), w)
     assert base.calls == (1 if KERNEL is not None else 2)
     assert Backends.for_platform(platform).float_linear is float_linear_route(
         platform, platform.float_linear() or F.linear)

@@ -9,10 +9,15 @@
 // decode GEMMs on AMX tiles"). The weight is the tiles' A operand straight from its rows (16
 // weight rows x 32 k a tile, rows K apart: no packed copy), x is packed once per call into B tiles
 // (16 rows of x x 32 k, k pairs as tile rows: a 16 x 16 transpose of 32-bit words), and the sums
-// of 32 weight rows x 32 rows of x stay in four C tiles over all of K. Up to 32 rows of x, the
-// weight is read once; each further 32 rows read it again (from cache where it fits), which is
-// why the caller routes only small batches here. Threads split the weight's 32-row panels; x is
-// packed by all of them before any starts (one barrier).
+// of 32 weight rows x 32 rows of x stay in four C tiles over all of K. Each further 32 rows of x
+// are another pass over the same 32-row panel, read from L2; the tiles' products then bound the
+// kernel (the caller routes only decode-sized batches here). The weight streams from memory
+// through software prefetches: each pass brings its share of the next panel's rows into L2, and
+// the first pass over a panel its own rows a step ahead into L1. A 24-layer stack's GEMMs, in %
+// of the read bandwidth without / with them: 8 rows of x 86-91 / 91-98, 32 rows 75 / 88-90, 64
+// rows 56-57 / 67-69 (the hardware prefetcher alone follows one stream per weight row;
+// docs/benchmarks.md). Threads split the weight's 32-row panels; x is packed by all of them
+// before any starts (one barrier).
 //
 // Needs K % 32 == 0 and N % 32 == 0: returns 1 for other shapes and 2 where the build or the
 // process has no AMX (the caller keeps its other GEMM).
@@ -76,16 +81,26 @@ inline void store_tile(const float* c, uint16_t* y, int64_t N, int64_t m0, int64
                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(cols[i], b)));
 }
 
+// What a pass over a panel prefetches: rows row0 .. row0+rows-1 of the next panel (into L2, one
+// line a row each step; null: none), and, on the panel's first pass, its own rows a step ahead
+// (into L1: they are in L2 by then, from the previous panel's passes).
+struct Prefetch {
+  const char* next = nullptr;
+  int64_t row0 = 0, rows = 0;
+  bool ahead = false;
+};
+
 // Weight rows n0 .. n0+31 against x's 16-row blocks xb and xb + 1 (TWO) or xb alone, over all
 // of K.
 template <bool TWO>
 void panel(const uint16_t* w, const uint16_t* xp, uint16_t* y, const uint16_t* bias, int64_t M,
-           int64_t N, int64_t K, int64_t n0, int64_t xb, float* c) {
+           int64_t N, int64_t K, int64_t n0, int64_t xb, float* c, const Prefetch& pf) {
   const int64_t steps = K / 32, ldw = K * 2;
   const uint16_t* a0 = w + n0 * K;
   const uint16_t* a1 = a0 + 16 * K;
   const uint16_t* b0 = xp + xb * steps * TILE;
   const uint16_t* b1 = b0 + steps * TILE;
+  const char* own = reinterpret_cast<const char*>(a0);
   _tile_zero(4);
   _tile_zero(5);
   if constexpr (TWO) {
@@ -93,6 +108,11 @@ void panel(const uint16_t* w, const uint16_t* xp, uint16_t* y, const uint16_t* b
     _tile_zero(7);
   }
   for (int64_t s = 0; s < steps; ++s) {
+    if (pf.next != nullptr)
+      for (int64_t r = pf.row0; r < pf.row0 + pf.rows; ++r)
+        _mm_prefetch(pf.next + r * ldw + 64 * s, _MM_HINT_T2);
+    if (pf.ahead && s + 1 < steps)
+      for (int64_t r = 0; r < PANEL; ++r) _mm_prefetch(own + r * ldw + 64 * (s + 1), _MM_HINT_T0);
     _tile_loadd(0, a0 + 32 * s, ldw);
     _tile_loadd(1, a1 + 32 * s, ldw);
     _tile_loadd(2, b0 + s * TILE, 64);
@@ -155,12 +175,18 @@ int bgemm_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t
     const int64_t per = panels / threads, extra = panels % threads;
     const int64_t p0 = tid * per + std::min(tid, extra), p1 = p0 + per + (tid < extra ? 1 : 0);
 #pragma omp barrier
+    const int64_t passes = (blocks + 1) / 2;
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t xb = 0; xb < blocks; xb += 2) {
+        // the next panel's rows spread over this panel's passes
+        const int64_t pass = xb / 2, row0 = PANEL * pass / passes;
+        const Prefetch pf{p + 1 < p1 ? reinterpret_cast<const char*>(w + PANEL * (p + 1) * K)
+                                     : nullptr,
+                          row0, PANEL * (pass + 1) / passes - row0, pass == 0};
         if (xb + 1 < blocks)
-          panel<true>(w, xp, y, bias, M, N, K, PANEL * p, xb, c);
+          panel<true>(w, xp, y, bias, M, N, K, PANEL * p, xb, c, pf);
         else
-          panel<false>(w, xp, y, bias, M, N, K, PANEL * p, xb, c);
+          panel<false>(w, xp, y, bias, M, N, K, PANEL * p, xb, c, pf);
       }
     _tile_release();
   }
