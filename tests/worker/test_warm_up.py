@@ -60,7 +60,7 @@ def test_a_vision_tower_is_left_alone():
 
 def test_the_rows_reach_the_cpu_platform_gemm():
     """On CPU the warm-up rows pass the native kernels that read the plain weight (the skinny
-    GEMM's 1-4 float32 rows, the AMX GEMM's 1-32 bf16 rows) and, where oneDNN keeps packed
+    GEMM's 1-4 float32 rows, the AMX GEMM's 1-96 bf16 rows) and, where oneDNN keeps packed
     float32 copies (AVX512 CPUs), stay below the native float32 GEMM's rows: otherwise the
     packing would fall into the first request's time (it did: 3-4 s of a 44 s prefill run). The
     weight's shape is one every kernel takes."""

@@ -19,10 +19,10 @@ from qwenserve.layers.linear import LinearBase
 # Rows of the warm-up call, by dtype, so that it reaches the GEMM that keeps a prepared copy:
 # float32 past the 1-4 rows that a platform's skinny GEMM takes on the plain weight and below the
 # 16-64 that its native float32 GEMM takes on AVX512 CPUs (where oneDNN keeps packed float32
-# copies); bf16 past the 1-32 that its AMX GEMM takes on the plain weight
+# copies); bf16 past the 1-96 that its AMX GEMM takes on the plain weight
 # (tests/worker/test_warm_up.py checks the windows).
 WARM_UP_ROWS = 8
-WARM_UP_ROWS_BF16 = 48
+WARM_UP_ROWS_BF16 = 128
 
 
 def warm_up_rows(dtype: torch.dtype) -> int:
