@@ -15,6 +15,7 @@ It prints each GEMM shape's median milliseconds on both sides and the step times
 rounds. A quiet machine is needed: the host's phases move single calls 2x.
 
     PYTHONPATH=src python benchmarks/prefill_gemms.py [--rounds 2] [--prompts 64] [--prompt-len 256]
+        [--per-round] [--enable-prefix-caching]
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--per-round", action="store_true",
+                   help="also print each round's engine prefill time and GEMM medians")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="the engine's default (off here: the prompts share nothing)")
     args = p.parse_args()
@@ -153,8 +156,10 @@ def main() -> None:
     for r in range(args.rounds + 1):  # round 0 warms both up
         prompts = torch.randint(100, 50_000, (args.prompts, args.prompt_len), generator=gen)
         run_engine = engine_prefill(llm, prompts.tolist(), engine_timings)
-        if os.environ.get("PER_ROUND"):
-            print(r, f"{run_engine:.2f} s", {s: round(1e3 * statistics.median(v), 2) for s, v in engine_timings.items() if len(v) > 100})
+        if args.per_round:
+            medians = {shape: round(1e3 * statistics.median(t), 2)
+                       for shape, t in engine_timings.items() if len(t) > 1}
+            print(f"round {r}: engine prefill {run_engine:.2f} s, GEMM medians (ms) {medians}")
         sim_timings.clear()
         run_sim = [sim.step(sim_timings) for _ in range(int(steps))]
         if r:
