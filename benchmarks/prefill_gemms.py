@@ -169,8 +169,8 @@ def main() -> None:
           f"{1e3 * statistics.median(engine_s):.0f} ms, simulation "
           f"{1e3 * statistics.median(sim_s):.0f} ms (medians of {args.rounds} rounds; the "
           "engine's includes embedding, LM head and scheduling)")
-    print("| GEMM rows x K -> N | calls a round (engine) | engine median ms | simulation median ms |\n"
-          "|---|---|---|---|")
+    print("| GEMM rows x K -> N | calls a round (engine) | engine median ms "
+          "| simulation median ms |\n|---|---|---|---|")
     for shape in sorted(engine_timings, key=lambda s: -sum(engine_timings[s])):
         if shape not in sim_timings:
             continue

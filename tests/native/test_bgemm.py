@@ -2,8 +2,8 @@
 same bf16 operands: one rounding of fp32 sums, so within a bf16 unit of the exact result. Edge
 cases: 16-row blocks of x (one or two a pass, a last partial one, several passes past 32 rows),
 32-row weight panels split between threads (each pass prefetching the next panel's rows), K of
-one to many 32-steps, bias, strided x; the
-refusals; and the seam that routes small bf16 batches to it. Skipped where the CPU (or the
+one to many 32-steps, bias, strided x; the refusals; and the seam that routes small bf16 batches
+to it. Skipped where the CPU (or the
 process) has no AMX tiles: the route is then the platform GEMM itself (tested below too)."""
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class CpuPlatform(Platform):
     # bf16 GEMMs of one row (decode at one sequence) stream the weight in gemv.cpp with
     # AVX512-BF16 dot products, prefetching a block ahead (1.1-1.35x the AMX kernel per shape
     # before that kernel prefetched; level with it since, Emerald Rapids Xeon, docs/benchmarks.md
-    # "Decode GEMMs at the read bandwidth" and "prefetching the AMX GEMM's next panel"); from 2
+    # "Decode GEMMs at the read bandwidth" and "the AMX GEMM prefetches its weight"); from 2
     # rows the AMX kernel (or oneDNN) takes them: decode steps at batch 2 1.13x faster than here.
     bf16_skinny_gemm_max_rows = 1
     # From 8 rows fp32 GEMMs run in native/csrc/sgemm.cpp (AVX2 + FMA, the weight read in
@@ -113,12 +113,13 @@ class CpuPlatform(Platform):
     # docs/benchmarks.md "float32 decode GEMMs in 16 lanes"); oneDNN keeps 5-15 rows and prefill.
     native_gemm_min_rows = 16 if _has_avx512() else 8
     native_gemm_max_rows = 64 if _has_avx512() else 0
-    # bf16 GEMMs of 1-96 rows (decode) on AMX tiles, reading the plain weight: 1.1-2x oneDNN's
-    # packed kernels per shape at 1-32 rows (decode steps 1.14-1.32x faster at 1-32 sequences,
-    # docs/benchmarks.md "bf16 decode GEMMs on AMX tiles"); since it prefetches the next weight
-    # panel, a 24-layer stack's GEMMs run level with oneDNN at 40-48 rows, 1.06-1.1x at 64-96
-    # and level at 112-128 (Emerald Rapids Xeon, "prefetching the AMX GEMM's next panel"). CPUs
-    # without AMX keep oneDNN (the kernel does not load there).
+    # bf16 GEMMs of up to 96 rows (decode; one-row calls go to the skinny GEMM above first) on
+    # AMX tiles, reading the plain weight: 1.1-2x oneDNN's packed kernels per shape at 1-32 rows
+    # (decode steps 1.14-1.32x faster at 1-32 sequences, docs/benchmarks.md "bf16 decode GEMMs on
+    # AMX tiles"); since it prefetches the next weight panel, a 24-layer stack's GEMMs run level
+    # with oneDNN at 40-48 rows, 1.06-1.1x at 64-96 and level at 112-128 (Emerald Rapids Xeon,
+    # "the AMX GEMM prefetches its weight"). CPUs without AMX keep oneDNN (the kernel does not
+    # load there).
     amx_gemm_max_rows = 96
     # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
     # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire

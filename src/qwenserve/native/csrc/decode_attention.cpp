@@ -530,7 +530,8 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     }
     // V: rows of positions 2r and 2r+1 interleaved (zeros past the context). The 32 positions
     // lie in one or two blocks: a row is its half's first row plus an offset.
-    const uint16_t* half[2] = {row_of(v_cache, t0), t0 + 16 < len ? row_of(v_cache, t0 + 16) : nullptr};
+    const uint16_t* half[2] = {row_of(v_cache, t0),
+                               t0 + 16 < len ? row_of(v_cache, t0 + 16) : nullptr};
     const uint16_t* ahead[2] = {t0 + 32 < len ? row_of(v_cache, t0 + 32) : nullptr,
                                 t0 + 48 < len ? row_of(v_cache, t0 + 48) : nullptr};
     for (int r = 0; r < 16; ++r) {
