@@ -65,6 +65,25 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
 
+SSM_STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_ssm_cache_dtype(flag: str, hf_config: PretrainedConfig) -> str:
+    """``--mamba-ssm-cache-dtype`` for this model. ``auto`` takes the checkpoint's
+    ``mamba_ssm_dtype`` (Qwen3.5's config.json says float32), as vLLM does; without that field
+    the state stays float32, the precision Hugging Face's reference keeps it in, where vLLM
+    would take the model dtype (a bf16 Qwen3-Next state there). A dtype given by the flag wins
+    over the checkpoint's."""
+    declared = getattr(hf_config, "mamba_ssm_dtype", None)
+    if declared is not None and declared not in SSM_STATE_DTYPES:
+        raise ValueError(f"the checkpoint's config.json sets mamba_ssm_dtype={declared!r}, which "
+                         f"is not a state dtype qwenserve keeps ({', '.join(SSM_STATE_DTYPES)}): "
+                         "pass --mamba-ssm-cache-dtype with one of them")
+    if flag != "auto":
+        return flag
+    return declared or "float32"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int
@@ -72,7 +91,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None = None
-    mamba_ssm_cache_dtype: str = "auto"  # Gated DeltaNet state; auto: float32
+    # Gated DeltaNet state (resolve_ssm_cache_dtype's value); auto: float32
+    mamba_ssm_cache_dtype: str = "auto"
 
     @property
     def ssm_state_dtype(self) -> str:

@@ -80,3 +80,25 @@ def test_dummy_weights(tiny_model):
     out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(4))
     assert len(out[0].outputs[0].token_ids) == 4
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize(("flag", "declared", "state_dtype"), [
+    ("auto", "bfloat16", torch.bfloat16),  # the checkpoint's mamba_ssm_dtype, as vLLM
+    ("auto", None, torch.float32),  # none declared: float32 (vLLM: the model dtype)
+    ("float32", "bfloat16", torch.float32),  # the flag wins
+])
+def test_auto_state_dtype_is_the_checkpoints(tiny_model, flag, declared, state_dtype):
+    overrides = {"mamba_ssm_dtype": declared} if declared else None
+    llm = LLM(tiny_model("qwen3_5"), dtype="bfloat16", max_model_len=128,
+              mamba_ssm_cache_dtype=flag, hf_overrides=overrides, kv_cache_memory_bytes=16 << 20)
+    caches = llm.llm_engine.executor.worker.runner.caches
+    assert {state.ssm.dtype for state in caches.state.values()} == {state_dtype}
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(4))
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.llm_engine.shutdown()
+
+
+def test_a_state_dtype_the_engine_cannot_keep_is_refused_by_name(tiny_model):
+    with pytest.raises(ValueError, match="mamba_ssm_dtype='int8'.*--mamba-ssm-cache-dtype"):
+        LLM(tiny_model("qwen3_5"), dtype="float32", max_model_len=128,
+            hf_overrides={"mamba_ssm_dtype": "int8"}, kv_cache_memory_bytes=16 << 20)

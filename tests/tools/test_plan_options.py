@@ -30,6 +30,22 @@ def test_half_width_ssm_state_halves_its_bytes(tmp_path, capsys):
     assert "--mamba-ssm-cache-dtype float16" in f16["commands"]["vllm"]
 
 
+
+def test_auto_ssm_state_is_the_checkpoints_dtype(tmp_path, capsys):
+    """--mamba-ssm-cache-dtype auto counts the state in the checkpoint's mamba_ssm_dtype, as
+    the engine keeps it (float32 in Qwen3.5's config.json; bf16 here through --hf-overrides)."""
+    path = write_model(tmp_path, "Qwen3.5-27B")
+    args = ("--max-model-len", "32768", "--device", "h200", "--tp", "2")
+    _, declared = plan(capsys, path, *args)
+    _, bf16 = plan(capsys, path, *args, "--hf-overrides", '{"mamba_ssm_dtype": "bfloat16"}')
+    _, flag = plan(capsys, path, *args, "--mamba-ssm-cache-dtype", "bfloat16")
+    assert declared["mamba_ssm_cache_dtype"] == "float32"
+    assert bf16["mamba_ssm_cache_dtype"] == "bfloat16"
+    assert bf16["plans"][0]["state_bytes_per_sequence"] == \
+        flag["plans"][0]["state_bytes_per_sequence"] < \
+        declared["plans"][0]["state_bytes_per_sequence"]
+
+
 def test_expert_parallel_weights_and_commands(tmp_path, capsys):
     path = write_model(tmp_path, "Qwen3-30B-A3B")  # 128 experts: 32 whole ones per device at TP=4
     args = ("--max-model-len", "32768", "--device", "910b-64g", "--tp", "4")

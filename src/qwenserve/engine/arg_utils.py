@@ -21,6 +21,7 @@ from qwenserve.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    resolve_ssm_cache_dtype,
 )
 from qwenserve.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from qwenserve.multimodal.config import (
@@ -165,7 +166,8 @@ class EngineArgs:
                             "scripts/save_sharded_state.py.", default="auto", group="LoadConfig",
                             choices=LOAD_FORMATS)
     mamba_ssm_cache_dtype: str = _opt(
-        "dtype of the Gated DeltaNet (linear attention) recurrent state; auto: float32.",
+        "dtype of the Gated DeltaNet (linear attention) recurrent state; auto: the "
+        "checkpoint's mamba_ssm_dtype (as vLLM), else float32 (vLLM: the model dtype).",
         default="auto", group="CacheConfig", choices=MAMBA_SSM_CACHE_DTYPES)
     compilation_config: dict | None = _opt(
         "vLLM's CompilationConfig (JSON, or -cc.key=value): validated; qwenserve has no "
@@ -229,6 +231,19 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     # ---- resolution ---------------------------------------------------------------------------
+    def _ssm_cache_dtype(self, model_config: ModelConfig) -> str:
+        """The Gated DeltaNet state's dtype (``resolve_ssm_cache_dtype``); a flag that overrides
+        the checkpoint's ``mamba_ssm_dtype`` is logged, as vLLM warns."""
+        dtype = resolve_ssm_cache_dtype(self.mamba_ssm_cache_dtype, model_config.hf_config)
+        declared = getattr(model_config.hf_config, "mamba_ssm_dtype", None)
+        if declared is not None and dtype != declared:
+            from qwenserve.logger import init_logger
+
+            init_logger("qwenserve.config").warning(
+                "the checkpoint's config.json sets mamba_ssm_dtype=%s; --mamba-ssm-cache-dtype "
+                "%s overrides it", declared, dtype)
+        return dtype
+
     def _pooler(self, model_config: Any) -> PoolerConfig | None:
         """None for text generation; else what a pooling request returns (qwenserve.pooling)."""
         from qwenserve.pooling import (
@@ -309,7 +324,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
+                mamba_ssm_cache_dtype=self._ssm_cache_dtype(model_config),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

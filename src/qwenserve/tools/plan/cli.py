@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from qwenserve.config import resolve_ssm_cache_dtype
 from qwenserve.core.cache.plan import accelerator_kv_budget
 from qwenserve.tools.plan.commands import CommandInputs, build_commands
 from qwenserve.tools.plan.compute import PlanInputs, RankPlan, plan_rank
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_DTYPE_BYTES))
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
-                        help="Gated DeltaNet state dtype (auto: float32), as serve's flag")
+                        help="Gated DeltaNet state dtype, as serve's flag (auto: the checkpoint's "
+                        "mamba_ssm_dtype, else float32)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="plan MoE experts whole per device (serve's flag); the busiest "
                         "device holds ceil(experts / TP)")
@@ -100,11 +102,13 @@ def make_report(args: argparse.Namespace) -> dict:
 
         eagle3 = load_eagle3_config(speculative.model, hf_config).hf_config
 
+    ssm_dtype = resolve_ssm_cache_dtype(args.mamba_ssm_cache_dtype, hf_config)
+
     def inputs(tp: int) -> PlanInputs:
         return PlanInputs(hf_config, model.architecture, dtype, tp, max_len, args.max_num_seqs,
                           args.max_num_batched_tokens, block_size, quant,
                           KV_DTYPE_BYTES[args.kv_cache_dtype],
-                          SSM_DTYPE_BYTES[args.mamba_ssm_cache_dtype],
+                          SSM_DTYPE_BYTES[ssm_dtype],
                           args.enable_expert_parallel, mtp, eagle3)
 
     plans = _plans(args, hf_config, inputs, _budget_function(args, device))
@@ -114,7 +118,7 @@ def make_report(args: argparse.Namespace) -> dict:
         "device_memory_bytes": device.memory_bytes, "dtype": dtype, "quantization": quant,
         "quantization_from_checkpoint": checkpoint.from_checkpoint and not args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": max_len,
-        "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+        "mamba_ssm_cache_dtype": ssm_dtype,
         "enable_expert_parallel": args.enable_expert_parallel,
         "model_max_model_len": int(getattr(hf_config, "max_position_embeddings", 0) or 4096),
         "block_size": block_size, "target_concurrency": args.target_concurrency,

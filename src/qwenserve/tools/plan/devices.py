@@ -43,8 +43,8 @@ QUANT_WIDTHS = {None: None, "w8a8": 1.0, "int8": 1.0, "fp8": 1.0, "awq": 0.5, "g
                 "w4a16": 0.5}
 # extra bytes per weight element for group scales/zeros of 4-bit formats (group size 128)
 QUANT_GROUP_OVERHEAD = {"awq": 2.5 / 128, "gptq": 2.5 / 128, "w4a16": 2.5 / 128}
-# --mamba-ssm-cache-dtype: the Gated DeltaNet state (auto: float32, as the engine keeps it)
-SSM_DTYPE_BYTES = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}
+# the Gated DeltaNet state's dtype (config.resolve_ssm_cache_dtype's value)
+SSM_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_DTYPE_BYTES = {"auto": None, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,
                   "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 # what an accelerator loses before the KV cache: runtime context, collectives, allocator slack
