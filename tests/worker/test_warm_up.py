@@ -1,10 +1,11 @@
 """Every GEMM weight's first call happens at load (``worker/warm_up.py``): once per linear
 layer and LM head of the language model, none for a vision tower, no collective; with enough
-rows to pass the platform's skinny GEMM and reach its packing one."""
+rows to pass the platform's kernels that read plain weights and reach its packing one."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from qwenserve.models.qwen2 import Qwen2ForCausalLM
 from qwenserve.platforms.cpu import CpuPlatform
 from qwenserve.worker.warm_up import warm_up_gemms, warm_up_rows
 
+ROWS = 7
+
 
 class RecordingGemm:
     """F.linear that remembers which weights it saw (as a packing cache would)."""
@@ -27,7 +30,7 @@ class RecordingGemm:
         self.weights: list[int] = []
 
     def __call__(self, x, weight, bias=None):
-        assert x.shape[0] == warm_up_rows(torch.bfloat16)
+        assert x.shape[0] == ROWS
         self.weights.append(id(weight))
         return F.linear(x, weight, bias)
 
@@ -44,7 +47,7 @@ def test_each_linear_and_the_lm_head_once():
         gemm = RecordingGemm()
         model = _model(gemm, tie)
         linears = [m.weight for m in model.modules() if isinstance(m, LinearBase)]
-        count = warm_up_gemms(model, torch.bfloat16, torch.device("cpu"))
+        count = warm_up_gemms(model, torch.bfloat16, torch.device("cpu"), ROWS)
         assert count == len(linears) + 1 == len(gemm.weights)
         assert sorted(gemm.weights) == sorted([id(w) for w in linears] + [id(model.lm_head.weight)])
 
@@ -54,7 +57,7 @@ def test_a_vision_tower_is_left_alone():
     model = _model(gemm, tie=True)
     model.visual = nn.Sequential(_model(gemm, tie=True).model.layers[0].mlp)
     tower = {id(m.weight) for m in model.visual.modules() if isinstance(m, LinearBase)}
-    warm_up_gemms(model, torch.bfloat16, torch.device("cpu"))
+    warm_up_gemms(model, torch.bfloat16, torch.device("cpu"), ROWS)
     assert tower and not tower & set(gemm.weights)
 
 
@@ -62,13 +65,27 @@ def test_the_rows_reach_the_cpu_platform_gemm():
     """On CPU the warm-up rows pass the native kernels that read the plain weight (the skinny
     GEMM's 1-4 float32 rows, the AMX GEMM's 1-96 bf16 rows) and, where oneDNN keeps packed
     float32 copies (AVX512 CPUs), stay below the native float32 GEMM's rows: otherwise the
-    packing would fall into the first request's time (it did: 3-4 s of a 44 s prefill run). The
-    weight's shape is one every kernel takes."""
+    packing would fall into the first request's time (it did: 3-4 s of a 44 s prefill run, and
+    a 48-row bf16 warm-up once the AMX GEMM took 96 rows). The weight's shape is one every
+    kernel takes."""
     platform = CpuPlatform()
     for dtype in (torch.float32, torch.bfloat16):
         packing = RecordingLinear()
         route = float_linear_route(platform, packing)
-        route(torch.randn(warm_up_rows(dtype), 64, dtype=dtype), torch.randn(64, 64, dtype=dtype))
+        route(torch.randn(warm_up_rows(platform, dtype), 64, dtype=dtype),
+              torch.randn(64, 64, dtype=dtype))
         if dtype == torch.float32 and not platform._has_avx512():
             continue  # AVX2: no packed float32 copy to make; the native GEMM takes these rows
         assert packing.calls == 1, dtype
+
+
+def test_the_rows_follow_the_platforms_windows(monkeypatch):
+    """Derived from the platform: a wider AMX window moves the bf16 warm-up with it, W8A8's
+    skinny rows count, and a platform whose kernels read no plain weight warms up on one row."""
+    monkeypatch.setattr(CpuPlatform, "amx_gemm_max_rows", 200)
+    monkeypatch.setattr(CpuPlatform, "int8_skinny_max_rows", lambda self: 9)
+    assert warm_up_rows(CpuPlatform(), torch.bfloat16) == 201
+    assert warm_up_rows(CpuPlatform(), torch.float32) == 10
+    bare = SimpleNamespace(bf16_skinny_gemm_max_rows=0, amx_gemm_max_rows=0,
+                           skinny_gemm_max_rows=0, int8_skinny_max_rows=lambda: 0)
+    assert warm_up_rows(bare, torch.bfloat16) == warm_up_rows(bare, torch.float32) == 1

@@ -10,32 +10,42 @@ loading.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.linear import LinearBase
 
-# Rows of the warm-up call, by dtype, so that it reaches the GEMM that keeps a prepared copy:
-# float32 past the 1-4 rows that a platform's skinny GEMM takes on the plain weight and below the
-# 16-64 that its native float32 GEMM takes on AVX512 CPUs (where oneDNN keeps packed float32
-# copies); bf16 past the 1-96 that its AMX GEMM takes on the plain weight
-# (tests/worker/test_warm_up.py checks the windows).
-WARM_UP_ROWS = 8
-WARM_UP_ROWS_BF16 = 128
+if TYPE_CHECKING:
+    from qwenserve.platforms.base import Platform
 
 
-def warm_up_rows(dtype: torch.dtype) -> int:
-    return WARM_UP_ROWS_BF16 if dtype == torch.bfloat16 else WARM_UP_ROWS
+def warm_up_rows(platform: Platform, dtype: torch.dtype) -> int:
+    """Rows of the warm-up call for activations in ``dtype``: one past every native kernel that
+    reads the plain weight in place (the skinny GEMMs, bf16's AMX GEMM, int8's skinny rows of a
+    W8A8 layer), so the call reaches the GEMM that keeps a prepared copy. On CPU: 97 bf16 rows,
+    5 float32 (below the 16-64 that the native float32 GEMM takes on AVX512 CPUs, where oneDNN
+    keeps packed float32 copies); one row where nothing is prepared (CUDA, NPU).
+    tests/worker/test_warm_up.py checks the windows."""
+    if dtype == torch.bfloat16:
+        plain = [platform.bf16_skinny_gemm_max_rows, platform.amx_gemm_max_rows]
+    else:
+        plain = [platform.skinny_gemm_max_rows]
+    int8_rows = platform.int8_skinny_max_rows()
+    if int8_rows < 1 << 20:  # else (AVX2) the native int8 kernel takes every row: nothing packed
+        plain.append(int8_rows)
+    return max(plain) + 1
 
 
 @torch.inference_mode()
-def warm_up_gemms(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Run ``warm_up_rows(dtype)`` rows of activations (``dtype``) through the GEMM of every linear
-    layer and LM head of ``model``'s language part (a vision tower's weights stay as they are
-    until an image comes: text-only serving would carry their prepared copies for nothing);
+def warm_up_gemms(model: nn.Module, dtype: torch.dtype, device: torch.device, rows: int) -> int:
+    """Run ``rows`` rows of activations (``dtype``; ``warm_up_rows``) through the GEMM of every
+    linear layer and LM head of ``model``'s language part (a vision tower's weights stay as they
+    are until an image comes: text-only serving would carry their prepared copies for nothing);
     returns how many GEMMs ran."""
-    count, rows = 0, warm_up_rows(dtype)
+    count = 0
     for name, module in model.named_modules():
         if name == "visual" or name.startswith("visual."):
             continue

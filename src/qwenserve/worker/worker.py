@@ -57,7 +57,7 @@ from qwenserve.worker.caches import allocate_caches
 from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.model_runner import ModelRunner
 from qwenserve.worker.pooler import embedding_checkpoint_names
-from qwenserve.worker.warm_up import warm_up_gemms
+from qwenserve.worker.warm_up import warm_up_gemms, warm_up_rows
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -131,7 +131,8 @@ class Worker:
             self.mtp_head = self._load_eagle3_head()
         for model in (self._model, self.draft_model):
             if model is not None:  # packing and the like now, not in the first step
-                warm_up_gemms(model, self.dtype, self.device)
+                warm_up_gemms(model, self.dtype, self.device,
+                              warm_up_rows(self.platform, self.dtype))
         self.load_s = time.perf_counter() - start
 
     @property
