@@ -4,8 +4,10 @@ Offline (default): ``LLM.generate`` of the same random-weight model of a ``commo
 (``--shape``, default Qwen2.5-0.5B; ``--dtype``, default float32) on the workload of
 ``../shared/research/anchors.md``: 64 requests of 256 random prompt tokens and 128 output tokens
 each (ignore EOS, greedy); ``--num-prompts/--input-len/--output-len`` change it (e.g. ``--output-len
-1`` for prefill only). The two engines run in alternating subprocesses (rounds qwenserve,
-vLLM, vLLM, qwenserve, ...) so that load drifting over time hits both alike.
+1`` for prefill only), ``--max-num-batched-tokens`` sets both engines' step size (vLLM's offline
+``LLM`` defaults to more than the 2,048 of qwenserve and ``vllm serve``). The two engines run in
+alternating subprocesses (rounds qwenserve, vLLM, vLLM, qwenserve, ...) so that load drifting over
+time hits both alike.
 
 Served (``--served``): ``qwenserve serve`` and ``vllm serve`` with the same flags, started in
 turn (alternating by round), each driven by vLLM's own client, ``vllm bench serve`` from the vLLM
@@ -53,11 +55,18 @@ def result(args: argparse.Namespace, start: float, ready: float, end: float,
             "total_tok_s": (outs_tokens + prompt_tokens) / (end - ready)}
 
 
+def step_tokens(args: argparse.Namespace) -> dict:
+    """--max-num-batched-tokens for both engines where given (else each engine's default: 2,048
+    for qwenserve and `vllm serve`, more for vLLM's offline LLM class)."""
+    n = args.max_num_batched_tokens
+    return {} if n is None else {"max_num_batched_tokens": n}
+
+
 def worker_qwenserve(path: str, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     from qwenserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype=args.dtype, max_model_len=1024)
+    llm = LLM(path, dtype=args.dtype, max_model_len=1024, **step_tokens(args))
     ready = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in workload(args)], params)
@@ -76,7 +85,7 @@ def worker_vllm(path: str, args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=path, dtype=args.dtype, max_model_len=1024, seed=0)
+    llm = LLM(model=path, dtype=args.dtype, max_model_len=1024, seed=0, **step_tokens(args))
     ready = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in workload(args)], params,
@@ -110,8 +119,10 @@ def run(python: str, system: str, path: str, args: argparse.Namespace) -> dict:
 
 
 def workload_flags(args: argparse.Namespace) -> list[str]:
+    steps = ([] if args.max_num_batched_tokens is None
+             else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)])
     return ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len)]
+            "--output-len", str(args.output_len), *steps]
 
 
 def serve_round(system: str, path: str, args: argparse.Namespace) -> dict[str, dict]:
@@ -198,6 +209,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=PROMPT_LEN, help="random prompt tokens each")
     p.add_argument("--output-len", type=int, default=OUTPUT_LEN,
                    help="output tokens each (1: prefill only)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="offline: both engines' step size (default: each one's own; "
+                   "--output-len 1 with 2048 compares prefill at `vllm serve`'s step size)")
     p.add_argument("--rounds", type=int, default=1, help="each round runs both, order alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--log-dir", default=None, help="server logs of --served (default: a tmp dir)")

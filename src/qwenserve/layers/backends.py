@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.layers.attention import AttentionBackend, get_attention_backend
-from qwenserve.layers.native_gemm import with_amx_gemm, with_native_gemm
+from qwenserve.layers.native_gemm import (
+    GateUpSiluFn,
+    amx_gate_up_silu,
+    with_amx_gemm,
+    with_native_gemm,
+)
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
 from qwenserve.native import kernels as native_kernels
@@ -102,6 +107,9 @@ class Backends:
     elementwise: ElementwiseKernels | None = None
     sampling: SamplingKernel | None = None  # the sampler's draw; None: PyTorch's
     mlp_row_chunk: int = 0  # rows an MLP takes at a time (Platform.mlp_row_chunk); 0: all
+    # an unquantized MLP's gate_up GEMM and SiLU-and-mul in one kernel, for the calls it takes
+    # (returns None for the rest); None: the GEMM, then ``elementwise``'s SiLU-and-mul
+    gate_up_silu: GateUpSiluFn | None = None
 
     @classmethod
     def for_platform(cls, platform: Platform) -> Backends:
@@ -114,6 +122,10 @@ class Backends:
             elementwise=elementwise,
             sampling=get_sampling_kernel(platform.default_sampling_backend),
             mlp_row_chunk=platform.mlp_row_chunk,
+            # the AMX GEMM's rows (one-row calls keep the skinny GEMM, as float_linear routes
+            # them)
+            gate_up_silu=amx_gate_up_silu(platform.bf16_skinny_gemm_max_rows + 1,
+                                          platform.amx_gemm_max_rows),
         )
 
     @classmethod

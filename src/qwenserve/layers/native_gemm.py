@@ -1,7 +1,8 @@
 """GEMMs routed by rows of x to the native kernels that measured faster than the platform's.
 
 Float32, prefill and many-sequence decode: the native blocked GEMM below. bf16, decode-sized
-batches on AMX CPUs: ``with_amx_gemm``.
+batches on AMX CPUs: ``with_amx_gemm``, and an MLP's gate_up GEMM with its SiLU-and-mul in one
+kernel: ``amx_gate_up_silu``.
 
 ``native/csrc/sgemm.cpp`` computes ``x @ W.T + b`` from the [N, K] weight as the model keeps it
 (only x is packed, per call), so weight accounting, tied embeddings and sharded-state saving see
@@ -21,6 +22,9 @@ import torch
 from qwenserve.native.kernels import Bgemm, Sgemm, bgemm, sgemm
 
 LinearFn = Callable[..., torch.Tensor]
+# (x [..., K], the merged [gate | up] weight [2I, K], its bias [2I] or None) -> silu(gate) * up
+# [..., I], or None where the fused kernel does not take the call
+GateUpSiluFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 @functools.cache
@@ -56,3 +60,24 @@ def with_amx_gemm(linear: LinearFn, max_rows: int) -> LinearFn:
     if kernel is None:
         return linear
     return functools.partial(_window_or, kernel, 1, max_rows, linear)
+
+
+@functools.cache
+def amx_gate_up_silu(min_rows: int, max_rows: int) -> GateUpSiluFn | None:
+    """An MLP's gate_up GEMM and SiLU-and-mul as one AMX kernel for bf16 calls of ``min_rows``
+    to ``max_rows`` rows of x (``Bgemm.silu_mul``: the unfused path's result bit for bit, without
+    its [rows, 2I] intermediate and the pass over it; docs/benchmarks.md, "SiLU-and-mul in the
+    AMX GEMM's epilogue"), or None where there is no AMX kernel (``max_rows`` 0 included)."""
+    kernel = bgemm() if max_rows > 0 else None
+    if kernel is None:
+        return None
+    return functools.partial(_fused_window, kernel, min_rows, max_rows)
+
+
+def _fused_window(kernel: Bgemm, min_rows: int, max_rows: int, x: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (min_rows <= rows <= max_rows and kernel.supports(x, weight)
+            and (bias is None or bias.dtype == kernel.dtype)):
+        return kernel.silu_mul(x, weight, bias)
+    return None

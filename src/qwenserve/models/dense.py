@@ -23,7 +23,12 @@ from qwenserve.layers.activation import silu_and_mul
 from qwenserve.layers.caches import ModelCaches, RecurrentState
 from qwenserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qwenserve.layers.forward_batch import ForwardBatch
-from qwenserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from qwenserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
 from qwenserve.layers.moe import SparseMoeBlock
 from qwenserve.layers.norm import RMSNorm
 from qwenserve.layers.rotary import RotaryEmbedding
@@ -100,6 +105,9 @@ class MLP(nn.Module):
             quant_method=ctx.linear_method(f"{prefix}.down_proj"))
         self.fused = ctx.backends.elementwise
         self.row_chunk = ctx.backends.mlp_row_chunk
+        # gate_up and SiLU-and-mul in one kernel, for the plain (unquantized) weight only
+        unquantized = isinstance(self.gate_up_proj.quant_method, UnquantizedLinearMethod)
+        self.gate_up_silu = ctx.backends.gate_up_silu if unquantized else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not 0 < self.row_chunk < x.shape[0]:
@@ -115,6 +123,10 @@ class MLP(nn.Module):
         fused = int8_mlp(self.gate_up_proj, self.down_proj, x)  # W8A8 only
         if fused is not None:
             return fused
+        if self.gate_up_silu is not None:
+            h = self.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            if h is not None:
+                return self.down_proj(h)
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 

@@ -269,21 +269,26 @@ class _RowMajorGemm:
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K], w [N, K] contiguous, bias [N] in ``dtype`` or None -> [..., N] in
         ``dtype``."""
-        n, k = w.shape
+        return self._run(self._fn, x, w, bias, w.shape[0])
+
+    def _run(self, fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor,
+             bias: torch.Tensor | None, width: int) -> torch.Tensor:
+        """``fn(y, x, w, bias, M, width, K, ldx)`` into a new [..., width] y."""
+        k = w.shape[1]
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1 or x2.stride(0) < k:
             x2 = x2.contiguous()
         if bias is not None:
             bias = bias.contiguous()
-            assert bias.dtype == self.dtype and bias.numel() == n
-        out = torch.empty(x2.shape[0], n, dtype=self.dtype)
-        status = self._fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
-                          None if bias is None else bias.data_ptr(), x2.shape[0], n, k,
-                          x2.stride(0))
+            assert bias.dtype == self.dtype and bias.numel() == w.shape[0]
+        out = torch.empty(x2.shape[0], width, dtype=self.dtype)
+        status = fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
+                    None if bias is None else bias.data_ptr(), x2.shape[0], width, k,
+                    x2.stride(0))
         if status:
-            raise ValueError(f"{self._fn.__name__}: status {status} for x {tuple(x.shape)}, "
+            raise ValueError(f"{fn.__name__}: status {status} for x {tuple(x.shape)}, "
                              f"w {tuple(w.shape)} ({self.statuses})")
-        return out.view(*x.shape[:-1], n)
+        return out.view(*x.shape[:-1], width)
 
 
 class Sgemm(_RowMajorGemm):
@@ -314,23 +319,39 @@ class Bgemm(_RowMajorGemm):
     dtype = torch.bfloat16
     statuses = "1: a shape it does not take, 2: no AMX, 3: out of memory"
 
+    def __init__(self, fn: ctypes._CFuncPtr, silu_mul_fn: ctypes._CFuncPtr) -> None:
+        super().__init__(fn)
+        self._silu_mul = silu_mul_fn
+        self._silu_mul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        self._silu_mul.restype = ctypes.c_int
+
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """As the base's, with N and K multiples of 32 (the kernel's tiles)."""
         return super().supports(x, w) and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
+
+    def silu_mul(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """An MLP's ``silu_and_mul(x @ w.T + bias)`` in one kernel: x [..., K], w [2I, K] (gate
+        rows, then up rows) contiguous, bias [2I] or None -> [..., I], bit for bit what the
+        GEMM and elementwise.cpp's SiLU-and-mul give in turn. Takes the pairs ``supports``
+        accepts (2I a multiple of 32)."""
+        return self._run(self._silu_mul, x, w, bias, w.shape[0] // 2)
 
 
 @functools.cache
 def bgemm() -> Bgemm | None:
     """The AMX bf16 GEMM for small batches, or None (logged once) where it cannot be built or the
     CPU (or the process) cannot use AMX tiles."""
-    lib = load_library("qwenserve_bgemm", [os.path.join(CSRC, "bgemm.cpp")])
+    # no contraction into fused multiply-adds: the SiLU epilogue equals elementwise.cpp's bits
+    lib = load_library("qwenserve_bgemm", [os.path.join(CSRC, "bgemm.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, "-ffp-contract=off"))
     if lib is None:
         return None
     if not lib.bgemm_bf16_available():
         logger.info("bf16 AMX GEMM not used: no AMX tiles for this process (CPU, compiler or "
                     "kernel permission); small bf16 batches use the platform GEMM")
         return None
-    return Bgemm(lib.bgemm_bf16)
+    return Bgemm(lib.bgemm_bf16, lib.bgemm_bf16_silu_mul)
 
 
 class Elementwise:

@@ -21,13 +21,21 @@
 //
 // Needs K % 32 == 0 and N % 32 == 0: returns 1 for other shapes and 2 where the build or the
 // process has no AMX (the caller keeps its other GEMM).
+//
+// bgemm_bf16_silu_mul is an MLP's gate_up projection with its SiLU-and-mul in the epilogue:
+// a task's 32 weight rows are 16 gate rows and their 16 up rows, and the C tiles leave as
+// silu(gate) * up, rounded where the unfused path rounds (gate and up to bf16, silu(gate) to
+// bf16, the product to bf16), so the result is that path's bit for bit, without the [M, 2I]
+// intermediate and the separate pass over it.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 #include <omp.h>
 
 #include "amx_tiles.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -64,43 +72,101 @@ inline void pack_tile(uint16_t* dst, const uint16_t* x, int64_t ldx, int64_t m0,
   for (int r = 0; r < 16; ++r) _mm512_store_ps(tile + 16 * r, cols[r]);
 }
 
-// A C tile (16 weight rows x 16 rows of x, fp32) -> y[m0 + i][n0 .. n0+15] + bias, rounded to
-// bf16 (rows past M are not written).
-inline void store_tile(const float* c, uint16_t* y, int64_t N, int64_t m0, int64_t M, int64_t n0,
-                       const uint16_t* bias) {
-  __m512 rows[16], cols[16];
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// A C tile (16 weight rows x 16 rows of x, fp32) as 16 vectors, one a row of x, plus bias[0 ..
+// 15] (null: none).
+inline void tile_rows(const float* c, const uint16_t* bias, __m512* cols) {
+  __m512 rows[16];
   for (int r = 0; r < 16; ++r) rows[r] = _mm512_load_ps(c + 16 * r);
   transpose16(rows, cols);
-  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                              _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                  reinterpret_cast<const __m256i*>(bias + n0))), 16))
-                        : _mm512_setzero_ps();
+  if (bias == nullptr) return;
+  const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16));
+  for (int i = 0; i < 16; ++i) cols[i] = _mm512_add_ps(cols[i], b);
+}
+
+// A C tile -> y[m0 + i][n0 .. n0+15] (+ bias), rounded to bf16 (rows past M are not written).
+inline void store_tile(const float* c, uint16_t* y, int64_t N, int64_t m0, int64_t M, int64_t n0,
+                       const uint16_t* bias) {
+  __m512 cols[16];
+  tile_rows(c, bias ? bias + n0 : nullptr, cols);
   const int64_t rows_x = std::min<int64_t>(16, M - m0);
   for (int64_t i = 0; i < rows_x; ++i)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * N + n0),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(cols[i], b)));
+                        (__m256i)_mm512_cvtneps_pbh(cols[i]));
 }
 
+// A gate C tile and its up C tile -> y[m0 + i][n0 .. n0+15] = silu(gate) * up, with
+// elementwise.cpp's roundings (gate and up as the bf16 values the GEMM would have stored, silu
+// rounded to bf16, the product rounded once): y has I columns; bias [2I] or null. A full block
+// of x is computed in the tiles' layout (a row a feature: all 16 lanes are rows of x) and
+// transposed once, for the store; a block of a few rows is transposed first, so that the SiLU
+// runs on those rows only (in the tiles' layout it ran on 16 lanes for them: 2 rows of x 3%
+// slower than the unfused path, docs/benchmarks.md).
+inline void store_silu_mul_tile(const float* gate, const float* up, uint16_t* y, int64_t I,
+                                int64_t m0, int64_t M, int64_t n0, const uint16_t* bias) {
+  const int64_t rows_x = std::min<int64_t>(16, M - m0);
+  __m512 h[16], cols[16];
+  if (rows_x <= 8) {
+    __m512 g[16];
+    tile_rows(gate, bias ? bias + n0 : nullptr, g);
+    tile_rows(up, bias ? bias + I + n0 : nullptr, cols);
+    for (int64_t i = 0; i < rows_x; ++i)
+      cols[i] = _mm512_mul_ps(bf16_round(silu16(bf16_round(g[i]))), bf16_round(cols[i]));
+  } else {
+    for (int r = 0; r < 16; ++r) {
+      __m512 g = _mm512_load_ps(gate + 16 * r), u = _mm512_load_ps(up + 16 * r);
+      if (bias != nullptr) {
+        g = _mm512_add_ps(g, _mm512_set1_ps(bf16_to_float(bias[n0 + r])));
+        u = _mm512_add_ps(u, _mm512_set1_ps(bf16_to_float(bias[I + n0 + r])));
+      }
+      h[r] = _mm512_mul_ps(bf16_round(silu16(bf16_round(g))), bf16_round(u));
+    }
+    transpose16(h, cols);
+  }
+  for (int64_t i = 0; i < rows_x; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * I + n0),
+                        (__m256i)_mm512_cvtneps_pbh(cols[i]));
+}
+
+// A task's 32 weight rows: rows 0-15 from lo, rows 16-31 from hi, each row K values after the
+// last (the GEMM's are 32 consecutive rows; the fused gate_up's 16 gate rows and their up rows).
+struct Rows {
+  const uint16_t* lo = nullptr;
+  const uint16_t* hi = nullptr;
+  const char* row(int64_t r, int64_t ldw) const {
+    return reinterpret_cast<const char*>(r < 16 ? lo : hi) + (r % 16) * ldw;
+  }
+};
+
 // What a pass over a panel prefetches: rows row0 .. row0+rows-1 of the next panel (into L2, one
-// line a row each step; null: none), and, on the panel's first pass, its own rows a step ahead
-// (into L1: they are in L2 by then, from the previous panel's passes).
+// line a row each step; next.lo null: none), and, on the panel's first pass, its own rows a step
+// ahead (into L1: they are in L2 by then, from the previous panel's passes).
 struct Prefetch {
-  const char* next = nullptr;
+  Rows next;
   int64_t row0 = 0, rows = 0;
   bool ahead = false;
 };
 
-// Weight rows n0 .. n0+31 against x's 16-row blocks xb and xb + 1 (TWO) or xb alone, over all
-// of K.
-template <bool TWO>
-void panel(const uint16_t* w, const uint16_t* xp, uint16_t* y, const uint16_t* bias, int64_t M,
+// How a panel's C tiles leave: rounded to bf16 (the GEMM) or as silu(gate) * up.
+enum class Epilogue { kStore, kSiluMul };
+
+// A panel's 32 weight rows (a) against x's 16-row blocks xb and xb + 1 (TWO) or xb alone, over
+// all of K; its outputs are columns n0 .. n0+31 of y (kStore) or n0 .. n0+15 (kSiluMul).
+template <bool TWO, Epilogue E>
+void panel(const Rows& a, const uint16_t* xp, uint16_t* y, const uint16_t* bias, int64_t M,
            int64_t N, int64_t K, int64_t n0, int64_t xb, float* c, const Prefetch& pf) {
   const int64_t steps = K / 32, ldw = K * 2;
-  const uint16_t* a0 = w + n0 * K;
-  const uint16_t* a1 = a0 + 16 * K;
+  const uint16_t* a0 = a.lo;
+  const uint16_t* a1 = a.hi;
   const uint16_t* b0 = xp + xb * steps * TILE;
   const uint16_t* b1 = b0 + steps * TILE;
-  const char* own = reinterpret_cast<const char*>(a0);
   _tile_zero(4);
   _tile_zero(5);
   if constexpr (TWO) {
@@ -108,11 +174,11 @@ void panel(const uint16_t* w, const uint16_t* xp, uint16_t* y, const uint16_t* b
     _tile_zero(7);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    if (pf.next != nullptr)
+    if (pf.next.lo != nullptr)
       for (int64_t r = pf.row0; r < pf.row0 + pf.rows; ++r)
-        _mm_prefetch(pf.next + r * ldw + 64 * s, _MM_HINT_T2);
+        _mm_prefetch(pf.next.row(r, ldw) + 64 * s, _MM_HINT_T2);
     if (pf.ahead && s + 1 < steps)
-      for (int64_t r = 0; r < PANEL; ++r) _mm_prefetch(own + r * ldw + 64 * (s + 1), _MM_HINT_T0);
+      for (int64_t r = 0; r < PANEL; ++r) _mm_prefetch(a.row(r, ldw) + 64 * (s + 1), _MM_HINT_T0);
     _tile_loadd(0, a0 + 32 * s, ldw);
     _tile_loadd(1, a1 + 32 * s, ldw);
     _tile_loadd(2, b0 + s * TILE, 64);
@@ -124,16 +190,59 @@ void panel(const uint16_t* w, const uint16_t* xp, uint16_t* y, const uint16_t* b
       _tile_dpbf16ps(7, 1, 3);
     }
   }
+  auto leave = [&](int64_t m0) {
+    if constexpr (E == Epilogue::kStore) {
+      store_tile(c, y, N, m0, M, n0, bias);
+      store_tile(c + 256, y, N, m0, M, n0 + 16, bias);
+    } else {
+      store_silu_mul_tile(c, c + 256, y, N, m0, M, n0, bias);
+    }
+  };
   _tile_stored(4, c, 64);
   _tile_stored(5, c + 256, 64);
-  store_tile(c, y, N, 16 * xb, M, n0, bias);
-  store_tile(c + 256, y, N, 16 * xb, M, n0 + 16, bias);
+  leave(16 * xb);
   if constexpr (TWO) {
     _tile_stored(6, c, 64);
     _tile_stored(7, c + 256, 64);
-    store_tile(c, y, N, 16 * (xb + 1), M, n0, bias);
-    store_tile(c + 256, y, N, 16 * (xb + 1), M, n0 + 16, bias);
+    leave(16 * (xb + 1));
   }
+}
+
+// y from x and the weight's panels (rows_of(p): panel p's 32 rows; its outputs start at column
+// columns * p), split over the threads by panel; x is packed by all of them first. N is y's
+// width. Returns 0, or 3 when the packing buffer cannot be allocated.
+template <Epilogue E, typename RowsOf>
+int run(uint16_t* y, const uint16_t* x, const uint16_t* bias, int64_t M, int64_t N, int64_t K,
+        int64_t ldx, int64_t panels, int64_t columns, RowsOf rows_of) {
+  static thread_local Buffer buffer;
+  const int64_t blocks = (M + 15) / 16, steps = K / 32;
+  uint16_t* xp = buffer.get(blocks * steps * TILE);
+  if (xp == nullptr) return 3;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
+    for (int64_t j = tid; j < blocks * steps; j += threads)
+      pack_tile(xp + j * TILE, x, ldx, 16 * (j / steps), M, j % steps);
+    qs_amx::configure();
+    alignas(64) float c[512];
+    const int64_t per = panels / threads, extra = panels % threads;
+    const int64_t p0 = tid * per + std::min(tid, extra), p1 = p0 + per + (tid < extra ? 1 : 0);
+#pragma omp barrier
+    const int64_t passes = (blocks + 1) / 2;
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t xb = 0; xb < blocks; xb += 2) {
+        // the next panel's rows spread over this panel's passes
+        const int64_t pass = xb / 2, row0 = PANEL * pass / passes;
+        const Prefetch pf{p + 1 < p1 ? rows_of(p + 1) : Rows{}, row0,
+                          PANEL * (pass + 1) / passes - row0, pass == 0};
+        if (xb + 1 < blocks)
+          panel<true, E>(rows_of(p), xp, y, bias, M, N, K, columns * p, xb, c, pf);
+        else
+          panel<false, E>(rows_of(p), xp, y, bias, M, N, K, columns * p, xb, c, pf);
+      }
+    _tile_release();
+  }
+  return 0;
 }
 #endif  // QS_AMX
 
@@ -161,36 +270,27 @@ int bgemm_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t
   return 2;
 #else
   if (!qs_amx::permitted()) return 2;
-  static thread_local Buffer buffer;
-  const int64_t blocks = (M + 15) / 16, steps = K / 32, panels = N / PANEL;
-  uint16_t* xp = buffer.get(blocks * steps * TILE);
-  if (xp == nullptr) return 3;
-#pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
-    for (int64_t j = tid; j < blocks * steps; j += threads)
-      pack_tile(xp + j * TILE, x, ldx, 16 * (j / steps), M, j % steps);
-    qs_amx::configure();
-    alignas(64) float c[512];
-    const int64_t per = panels / threads, extra = panels % threads;
-    const int64_t p0 = tid * per + std::min(tid, extra), p1 = p0 + per + (tid < extra ? 1 : 0);
-#pragma omp barrier
-    const int64_t passes = (blocks + 1) / 2;
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t xb = 0; xb < blocks; xb += 2) {
-        // the next panel's rows spread over this panel's passes
-        const int64_t pass = xb / 2, row0 = PANEL * pass / passes;
-        const Prefetch pf{p + 1 < p1 ? reinterpret_cast<const char*>(w + PANEL * (p + 1) * K)
-                                     : nullptr,
-                          row0, PANEL * (pass + 1) / passes - row0, pass == 0};
-        if (xb + 1 < blocks)
-          panel<true>(w, xp, y, bias, M, N, K, PANEL * p, xb, c, pf);
-        else
-          panel<false>(w, xp, y, bias, M, N, K, PANEL * p, xb, c, pf);
-      }
-    _tile_release();
-  }
-  return 0;
+  return run<Epilogue::kStore>(y, x, bias, M, N, K, ldx, N / PANEL, PANEL, [&](int64_t p) {
+    return Rows{w + PANEL * p * K, w + (PANEL * p + 16) * K};
+  });
+#endif
+}
+
+// An MLP's gate_up projection and SiLU-and-mul in one: w [2I, K] bf16 contiguous (I gate rows,
+// then I up rows), bias [2I] or null, y [M, I] = silu(x w_gate^T + b_gate) * (x w_up^T + b_up)
+// with the unfused path's roundings. Returns 0; 1 for a shape it does not take (empty, K not a
+// multiple of 32, I not a multiple of 16); 2 without AMX; 3 out of memory.
+int bgemm_bf16_silu_mul(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                        int64_t M, int64_t I, int64_t K, int64_t ldx) {
+  if (M <= 0 || I <= 0 || K <= 0 || ldx < K || K % 32 != 0 || I % 16 != 0) return 1;
+#if !defined(QS_AMX)
+  (void)y, (void)x, (void)w, (void)bias;
+  return 2;
+#else
+  if (!qs_amx::permitted()) return 2;
+  return run<Epilogue::kSiluMul>(y, x, bias, M, I, K, ldx, I / 16, 16, [&](int64_t p) {
+    return Rows{w + 16 * p * K, w + (I + 16 * p) * K};
+  });
 #endif
 }
 
