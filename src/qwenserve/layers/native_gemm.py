@@ -43,11 +43,18 @@ def _window_or(kernel: Sgemm | Bgemm, min_rows: int, max_rows: int | None, linea
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel for calls of ``min_rows`` to ``max_rows`` rows of x (None: no limit) that it
     takes, with a bias (if any) in its dtype; ``linear`` for the rest."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (rows >= min_rows and (max_rows is None or rows <= max_rows)
-            and kernel.supports(x, weight) and (bias is None or bias.dtype == kernel.dtype)):
+    if _takes(kernel, min_rows, max_rows, x, weight, bias):
         return kernel(x, weight, bias)
     return linear(x, weight, bias)
+
+
+def _takes(kernel: Sgemm | Bgemm, min_rows: int, max_rows: int | None, x: torch.Tensor,
+           weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``kernel`` takes this call: ``min_rows`` to ``max_rows`` rows of x (None: no
+    limit), a pair it supports, a bias (if any) in its dtype."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (rows >= min_rows and (max_rows is None or rows <= max_rows)
+            and kernel.supports(x, weight) and (bias is None or bias.dtype == kernel.dtype))
 
 
 @functools.cache
@@ -76,8 +83,6 @@ def amx_gate_up_silu(min_rows: int, max_rows: int) -> GateUpSiluFn | None:
 
 def _fused_window(kernel: Bgemm, min_rows: int, max_rows: int, x: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (min_rows <= rows <= max_rows and kernel.supports(x, weight)
-            and (bias is None or bias.dtype == kernel.dtype)):
+    if _takes(kernel, min_rows, max_rows, x, weight, bias):
         return kernel.silu_mul(x, weight, bias)
     return None

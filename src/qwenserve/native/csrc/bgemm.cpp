@@ -30,7 +30,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 #include <omp.h>
 
@@ -72,13 +71,6 @@ inline void pack_tile(uint16_t* dst, const uint16_t* x, int64_t ldx, int64_t m0,
   for (int r = 0; r < 16; ++r) _mm512_store_ps(tile + 16 * r, cols[r]);
 }
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // A C tile (16 weight rows x 16 rows of x, fp32) as 16 vectors, one a row of x, plus bias[0 ..
 // 15] (null: none).
 inline void tile_rows(const float* c, const uint16_t* bias, __m512* cols) {
@@ -86,8 +78,7 @@ inline void tile_rows(const float* c, const uint16_t* bias, __m512* cols) {
   for (int r = 0; r < 16; ++r) rows[r] = _mm512_load_ps(c + 16 * r);
   transpose16(rows, cols);
   if (bias == nullptr) return;
-  const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16));
+  const __m512 b = load_bf16(bias, 0xFFFF);
   for (int i = 0; i < 16; ++i) cols[i] = _mm512_add_ps(cols[i], b);
 }
 
@@ -123,8 +114,8 @@ inline void store_silu_mul_tile(const float* gate, const float* up, uint16_t* y,
     for (int r = 0; r < 16; ++r) {
       __m512 g = _mm512_load_ps(gate + 16 * r), u = _mm512_load_ps(up + 16 * r);
       if (bias != nullptr) {
-        g = _mm512_add_ps(g, _mm512_set1_ps(bf16_to_float(bias[n0 + r])));
-        u = _mm512_add_ps(u, _mm512_set1_ps(bf16_to_float(bias[I + n0 + r])));
+        g = _mm512_add_ps(g, _mm512_set1_ps(to_float(bias[n0 + r])));
+        u = _mm512_add_ps(u, _mm512_set1_ps(to_float(bias[I + n0 + r])));
       }
       h[r] = _mm512_mul_ps(bf16_round(silu16(bf16_round(g))), bf16_round(u));
     }
