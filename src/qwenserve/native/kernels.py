@@ -254,14 +254,9 @@ class _RowMajorGemm:
     statuses: str  # what the entry point's non-zero statuses mean (for the error)
 
     def __init__(self, fn: ctypes._CFuncPtr) -> None:
-        self._fn = self._typed(fn)
-
-    @staticmethod
-    def _typed(fn: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
-        """``fn`` declared as ``(y, x, w, bias, M, width, K, ldx) -> status``."""
-        fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
-        fn.restype = ctypes.c_int
-        return fn
+        self._fn = fn
+        self._fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        self._fn.restype = ctypes.c_int
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether ``__call__`` takes this pair: CPU tensors in ``dtype``, a contiguous [N, K]
@@ -326,7 +321,9 @@ class Bgemm(_RowMajorGemm):
 
     def __init__(self, fn: ctypes._CFuncPtr, silu_mul_fn: ctypes._CFuncPtr) -> None:
         super().__init__(fn)
-        self._silu_mul = self._typed(silu_mul_fn)
+        self._silu_mul = silu_mul_fn
+        self._silu_mul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        self._silu_mul.restype = ctypes.c_int
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """As the base's, with N and K multiples of 32 (the kernel's tiles)."""
