@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from qwenserve.native.kernels import decode_attention
+from qwenserve.native.attention import decode_attention
 
 
 def main() -> None:

@@ -17,6 +17,9 @@ benchmarks/common.py), built once and measured in alternating rounds (median ste
     bf16 oneDNN   with both native bf16 routes off: oneDNN's packed GEMMs at every row count
     bf16 int8     ``--quantization int8`` with bfloat16 activations
     bf16 int8 oneDNN  the same through oneDNN's int8 GEMM at every row count
+    bf16 eager / fp32 native eager  the first / second engine with ``enforce_eager``: every
+                  step through the Python forward (the others replay recorded decode steps,
+                  worker/decode_replay.py)
 
 The default set is the three bf16 engines on CPUs with native bf16 (AMX / AVX512-BF16), where bf16 is the
 mode users run, and the three fp32 engines elsewhere; ``--engines`` names any of them.
@@ -85,7 +88,7 @@ def decode_steps(llm, prompt: list[int], steps: int, request_id: str, cpu: bool,
 
 
 ENGINES = ("fp32 native", "fp32 oneDNN", "int8 native", "int8 oneDNN", "bf16", "bf16 AMX",
-           "bf16 oneDNN", "bf16 int8", "bf16 int8 oneDNN")
+           "bf16 oneDNN", "bf16 int8", "bf16 int8 oneDNN", "bf16 eager", "fp32 native eager")
 
 
 def build(path: str, name: str):
@@ -105,7 +108,8 @@ def build(path: str, name: str):
     try:
         quant = {"quantization": "int8"} if "int8" in name else {}
         dtype = "bfloat16" if name.startswith("bf16") else "float32"
-        return LLM(path, dtype=dtype, max_model_len=MAX_MODEL_LEN, **quant)
+        return LLM(path, dtype=dtype, max_model_len=MAX_MODEL_LEN,
+                   enforce_eager=name.endswith("eager"), **quant)
     finally:
         (CpuPlatform.skinny_gemm_max_rows, CpuPlatform.int8_skinny_max_rows,
          CpuPlatform.amx_gemm_max_rows, CpuPlatform.bf16_skinny_gemm_max_rows) = saved
@@ -135,9 +139,9 @@ def main() -> None:
         if unknown := [n for n in names if n not in ENGINES]:
             p.error(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
     elif CpuPlatform().supports_native_bf16():
-        names = ["bf16", "bf16 AMX", "bf16 oneDNN", "bf16 int8"]
+        names = ["bf16", "bf16 eager", "bf16 AMX", "bf16 oneDNN", "bf16 int8"]
     else:
-        names = ["fp32 native", "fp32 oneDNN", "int8 native"]
+        names = ["fp32 native", "fp32 native eager", "fp32 oneDNN", "int8 native"]
     engines = {name: build(path, name) for name in names}
     prompt = list(range(100, 100 + args.prompt_len))
     steps: dict[str, list[float]] = {name: [] for name in names}

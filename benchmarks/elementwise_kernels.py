@@ -171,7 +171,7 @@ def main() -> None:
 
     import torch
 
-    from qwenserve.native.kernels import elementwise
+    from qwenserve.native.elementwise import elementwise
 
     dtype = getattr(torch, args.dtype)
     kernels = elementwise()

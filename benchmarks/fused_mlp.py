@@ -29,7 +29,8 @@ from common import cpu_model, shaped_model  # noqa: E402
 
 
 def kernel_part(rows: list[int], rounds: int) -> None:
-    from qwenserve.native.kernels import bgemm, elementwise
+    from qwenserve.native.elementwise import elementwise
+    from qwenserve.native.gemm import bgemm
 
     gemm, ew = bgemm(), elementwise()
     if gemm is None or ew is None:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qwenserve.native.kernels import bgemm, gemv, sgemm
+from qwenserve.native.gemm import bgemm, gemv, sgemm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_model  # noqa: E402

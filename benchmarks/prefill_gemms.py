@@ -64,7 +64,8 @@ class SimulatedStep:
     """The engine's prefill layers on packed random weights of the Qwen2.5-0.5B shape."""
 
     def __init__(self, tokens: int, prompt_len: int, mlp_chunk: int) -> None:
-        from qwenserve.native.kernels import elementwise, prefill_attention
+        from qwenserve.native.attention import prefill_attention
+        from qwenserve.native.elementwise import elementwise
 
         self.ew, self.attention = elementwise(), prefill_attention()
         if self.ew is None or self.attention is None:

@@ -92,11 +92,11 @@ def instrument() -> None:
         init(self, *args, **kwargs)
         self.out_proj.forward = _label(self.out_proj.forward, "gdn: out_proj")
     qwen3_5.GatedDeltaNet.__init__ = gdn_init
-    from qwenserve.native import kernels
+    from qwenserve.native import gemm
 
-    for cls in (getattr(kernels, name, None) for name in ("Gemv", "Sgemm")):
-        if cls is not None:  # native GEMMs: called through ctypes, no torch op
-            _wrap(cls, "__call__", GEMM_LABEL)
+    for cls in (gemm.Gemv, gemm.Sgemm, gemm.Bgemm):  # native GEMMs: ctypes calls, no torch op
+        _wrap(cls, "__call__", GEMM_LABEL)
+    _wrap(gemm.Bgemm, "silu_mul", GEMM_LABEL)
 
 
 def bucket_of(ev) -> str:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from qwenserve.native.kernels import sampling
+from qwenserve.native.sampling import sampling
 from qwenserve.platforms.cpu import CpuPlatform
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.worker.sampler import SamplingRow, sample

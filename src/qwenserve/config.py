@@ -73,14 +73,21 @@ def resolve_ssm_cache_dtype(flag: str, hf_config: PretrainedConfig) -> str:
     ``mamba_ssm_dtype`` (Qwen3.5's config.json says float32), as vLLM does; without that field
     the state stays float32, the precision Hugging Face's reference keeps it in, where vLLM
     would take the model dtype (a bf16 Qwen3-Next state there). A dtype given by the flag wins
-    over the checkpoint's."""
+    over the checkpoint's (logged, as vLLM warns), and is the way past a declared dtype the
+    engine cannot keep."""
     declared = getattr(hf_config, "mamba_ssm_dtype", None)
+    if flag != "auto":
+        if declared is not None and flag != declared:
+            from qwenserve.logger import init_logger
+
+            init_logger(__name__).warning(
+                "the checkpoint's config.json sets mamba_ssm_dtype=%s; --mamba-ssm-cache-dtype "
+                "%s overrides it", declared, flag)
+        return flag
     if declared is not None and declared not in SSM_STATE_DTYPES:
         raise ValueError(f"the checkpoint's config.json sets mamba_ssm_dtype={declared!r}, which "
                          f"is not a state dtype qwenserve keeps ({', '.join(SSM_STATE_DTYPES)}): "
                          "pass --mamba-ssm-cache-dtype with one of them")
-    if flag != "auto":
-        return flag
     return declared or "float32"
 
 
@@ -185,3 +192,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None  # the drafter (speculative method draft_model)
     kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (P/D disaggregation)
+    # decode steps of up to this many sequences are recorded and replayed where the platform
+    # can (worker/decode_replay.py); 0: every step eager (--enforce-eager)
+    decode_replay_max_batch: int = 0

@@ -87,7 +87,7 @@ def decode_kernel(request):
 
 def native_kernels_have_amx() -> bool:
     """Whether this build of the native kernels has AMX code (a compiler that knows the tiles)."""
-    from qwenserve.native.kernels import bgemm
+    from qwenserve.native.gemm import bgemm
 
     return bgemm() is not None
 
@@ -259,11 +259,12 @@ def test_native_prefill_matches_torch_ref(shape):
     PyTorch's flash kernel within bf16 rounding: scores and softmax in fp32, P rounded to bf16
     for the product, as flash kernels do."""
     from qwenserve.layers.attention.torch_ref import _prefill
-    from qwenserve.native import build, kernels, native_enabled
+    from qwenserve.native import build, native_enabled
+    from qwenserve.native.attention import prefill_attention_library
 
     native = get_attention_backend("cpu_native")
     if native_enabled() and build.compiler() is not None:
-        lib = kernels.prefill_attention_library()
+        lib = prefill_attention_library()
         assert lib is not None
         # an AMX CPU runs it unless the compiler lacks AMX or the process may not use the tiles
         runs = bool(lib.prefill_attention_available())

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -102,3 +104,15 @@ def test_a_state_dtype_the_engine_cannot_keep_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="mamba_ssm_dtype='int8'.*--mamba-ssm-cache-dtype"):
         LLM(tiny_model("qwen3_5"), dtype="float32", max_model_len=128,
             hf_overrides={"mamba_ssm_dtype": "int8"}, kv_cache_memory_bytes=16 << 20)
+
+
+def test_the_flag_named_in_that_refusal_gets_past_it(caplog):
+    """The refusal's fix works: a flag's dtype replaces the declared one (logged)."""
+    from transformers import PretrainedConfig
+
+    from qwenserve.config import resolve_ssm_cache_dtype
+
+    declared_int8 = PretrainedConfig(mamba_ssm_dtype="int8")
+    with caplog.at_level(logging.WARNING, logger="qwenserve"):
+        assert resolve_ssm_cache_dtype("bfloat16", declared_int8) == "bfloat16"
+    assert "mamba_ssm_dtype=int8; --mamba-ssm-cache-dtype bfloat16 overrides it" in caplog.text

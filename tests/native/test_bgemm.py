@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.native_gemm import with_amx_gemm
-from qwenserve.native.kernels import bgemm
+from qwenserve.native.gemm import bgemm
 from qwenserve.platforms.cpu import CpuPlatform
 
 KERNEL = bgemm()

@@ -16,7 +16,8 @@ from qwenserve.layers.backends import Backends
 from qwenserve.layers.native_gemm import amx_gate_up_silu
 from qwenserve.models.base import ModelContext
 from qwenserve.models.dense import MLP
-from qwenserve.native.kernels import bgemm, elementwise
+from qwenserve.native.elementwise import elementwise
+from qwenserve.native.gemm import bgemm
 from qwenserve.platforms.cpu import CpuPlatform
 
 KERNEL, ELEMENTWISE = bgemm(), elementwise()

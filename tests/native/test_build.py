@@ -81,7 +81,9 @@ def test_loading_the_kernels_keeps_subnormal_floats():
 
     script = (
         "import torch\n"
-        "from qwenserve.native.kernels import decode_attention, elementwise, gemv\n"
+        "from qwenserve.native.attention import decode_attention\n"
+        "from qwenserve.native.elementwise import elementwise\n"
+        "from qwenserve.native.gemm import gemv\n"
         "from qwenserve.layers.recurrent.fused import native_ops\n"
         "loaded = None not in (decode_attention(), native_ops(), elementwise(), gemv())\n"
         "tiny = torch.tensor([1e-38], dtype=torch.float32) * 1e-3\n"

@@ -12,7 +12,7 @@ import transformers as tf
 from qwenserve.layers.activation import silu_and_mul
 from qwenserve.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from qwenserve.layers.rotary import RotaryEmbedding
-from qwenserve.native.kernels import elementwise
+from qwenserve.native.elementwise import elementwise
 from qwenserve.quantization.kernels import Int8Matmul, quantize_per_token
 
 KERNELS = elementwise()

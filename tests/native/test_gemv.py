@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
-from qwenserve.native.kernels import gemv
+from qwenserve.native.gemm import gemv
 from qwenserve.platforms.base import int32_epilogue
 from qwenserve.platforms.cpu import CpuPlatform, _cpu_flags
 from qwenserve.quantization.kernels import (

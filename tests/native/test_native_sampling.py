@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.sampling_reference import reference_probs
-from qwenserve.native.kernels import sampling
+from qwenserve.native.sampling import sampling
 from qwenserve.worker.sampler import Logprobs
 
 GRID = 2000

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.native_gemm import with_native_gemm
-from qwenserve.native.kernels import sgemm
+from qwenserve.native.gemm import sgemm
 from qwenserve.platforms.cpu import CpuPlatform
 
 KERNEL = sgemm()

@@ -12,7 +12,7 @@ from transformers import Qwen2Config
 from qwenserve.layers.backends import Backends
 from qwenserve.models.base import ModelContext
 from qwenserve.models.dense import MLP
-from qwenserve.native.kernels import elementwise
+from qwenserve.native.elementwise import elementwise
 from qwenserve.platforms.cpu import CpuPlatform
 from qwenserve.quantization import methods
 from qwenserve.quantization.kernels import Int8Matmul

@@ -67,7 +67,7 @@ def kernel(request):
     """The PyTorch draw, and the platform's native one (csrc/sampling.cpp) where it builds."""
     if request.param == "torch":
         return None
-    from qwenserve.native.kernels import sampling
+    from qwenserve.native.sampling import sampling
 
     native = sampling()
     if native is None:

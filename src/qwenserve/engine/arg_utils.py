@@ -29,7 +29,7 @@ from qwenserve.multimodal.config import (
     parse_json_option,
     parse_limit_mm_per_prompt,
 )
-from qwenserve.options.compilation import compilation_config_arg
+from qwenserve.options.compilation import compilation_config_arg, parse_compilation_config
 from qwenserve.pooling import CONVERTS, RUNNERS, TASKS
 from qwenserve.quantization.schemes import FLAG_CHOICES
 from qwenserve.spec_decode.config import (
@@ -114,8 +114,8 @@ class EngineArgs:
                                   "folder.", default="auto")
     quantization: str | None = _opt("Quantization method (default: read from the checkpoint).",
                                     choices=FLAG_CHOICES)
-    enforce_eager: bool = _opt("Accepted for compatibility: qwenserve always runs eagerly.",
-                               default=False)
+    enforce_eager: bool = _opt("Run every step eagerly: no recorded decode steps (CPU's "
+                               "counterpart of CUDA graphs).", default=False)
     max_logprobs: int = _opt("Largest logprobs a request may ask for.", default=20, type=int)
     block_size: int | None = _opt("Tokens per KV block (default: the platform's, 16; 128 on "
                                   "Ascend NPUs).", group="CacheConfig",
@@ -232,17 +232,8 @@ class EngineArgs:
 
     # ---- resolution ---------------------------------------------------------------------------
     def _ssm_cache_dtype(self, model_config: ModelConfig) -> str:
-        """The Gated DeltaNet state's dtype (``resolve_ssm_cache_dtype``); a flag that overrides
-        the checkpoint's ``mamba_ssm_dtype`` is logged, as vLLM warns."""
-        dtype = resolve_ssm_cache_dtype(self.mamba_ssm_cache_dtype, model_config.hf_config)
-        declared = getattr(model_config.hf_config, "mamba_ssm_dtype", None)
-        if declared is not None and dtype != declared:
-            from qwenserve.logger import init_logger
-
-            init_logger("qwenserve.config").warning(
-                "the checkpoint's config.json sets mamba_ssm_dtype=%s; --mamba-ssm-cache-dtype "
-                "%s overrides it", declared, dtype)
-        return dtype
+        """The Gated DeltaNet state's dtype (``resolve_ssm_cache_dtype``)."""
+        return resolve_ssm_cache_dtype(self.mamba_ssm_cache_dtype, model_config.hf_config)
 
     def _pooler(self, model_config: Any) -> PoolerConfig | None:
         """None for text generation; else what a pooling request returns (qwenserve.pooling)."""
@@ -345,6 +336,8 @@ class EngineArgs:
             draft_model=draft_model,
             multimodal=self._multimodal_config(),
             kv_transfer=kv_transfer,
+            decode_replay_max_batch=parse_compilation_config(
+                self.compilation_config).decode_replay_max_batch(self.enforce_eager),
         )
 
     def for_data_parallel_rank(self, rank: int) -> EngineArgs:
@@ -428,7 +421,6 @@ def log_option_notes(args: EngineArgs, platform_name: str) -> None:
     """Say once, at start-up, what each accepted vLLM option that does not act here means."""
     from qwenserve.logger import init_logger
     from qwenserve.options.additional import parse_additional_config
-    from qwenserve.options.compilation import parse_compilation_config
 
     logger = init_logger("qwenserve.config")
     for note in parse_compilation_config(args.compilation_config).startup_notes(platform_name):

@@ -23,7 +23,8 @@ from qwenserve.layers.native_gemm import (
 )
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
-from qwenserve.native import kernels as native_kernels
+from qwenserve.native.elementwise import elementwise as native_elementwise
+from qwenserve.native.sampling import sampling as native_sampling
 from qwenserve.quantization.kernels import Int8Matmul
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 
 
 class ElementwiseKernels(Protocol):
-    """Fused elementwise ops (``native.kernels.Elementwise`` on CPU). The layers call them for
+    """Fused elementwise ops (``native.elementwise.Elementwise`` on CPU). The layers call them for
     tensors ``supports`` accepts and run their PyTorch reference for the rest."""
 
     def supports(self, x: torch.Tensor) -> bool: ...
@@ -55,12 +56,12 @@ def get_elementwise_kernels(name: str) -> ElementwiseKernels | None:
     if name == "torch_ref":
         return None
     if name == "cpu_native":
-        return native_kernels.elementwise()
+        return native_elementwise()
     raise ValueError(f"unknown elementwise backend {name!r}; known: torch_ref, cpu_native")
 
 
 class SamplingKernel(Protocol):
-    """The sampler's draw (``native.kernels.Sampling`` on CPU): greedy or temperature, min_p,
+    """The sampler's draw (``native.sampling.Sampling`` on CPU): greedy or temperature, min_p,
     top_k, top_p and one caller-given uniform per row. The sampler runs its PyTorch draw for
     logits ``supports`` refuses."""
 
@@ -83,7 +84,7 @@ def get_sampling_kernel(name: str) -> SamplingKernel | None:
     if name == "torch_ref":
         return None
     if name == "cpu_native":
-        return native_kernels.sampling()
+        return native_sampling()
     raise ValueError(f"unknown sampling backend {name!r}; known: torch_ref, cpu_native")
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from qwenserve.native.kernels import Bgemm, Sgemm, bgemm, sgemm
+from qwenserve.native.gemm import Bgemm, Sgemm, bgemm, sgemm
 
 LinearFn = Callable[..., torch.Tensor]
 # (x [..., K], the merged [gate | up] weight [2I, K], its bias [2I] or None) -> silu(gate) * up

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from qwenserve.native.kernels import Gemv, gemv
+from qwenserve.native.gemm import Gemv, gemv
 
 LinearFn = Callable[..., torch.Tensor]
 

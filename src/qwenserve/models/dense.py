@@ -89,7 +89,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache, batch.attn, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, batch.attn, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -178,7 +178,13 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 caches: ModelCaches) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        return self.run_layers(self.embed_tokens(input_ids), positions, batch, caches)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                   caches: ModelCaches) -> torch.Tensor:
+        """The layers and the final norm from the token embeddings ``x`` (the part of the
+        forward a decode step records: worker/decode_replay.py)."""
+        residual = None
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layer_ids:

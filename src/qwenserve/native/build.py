@@ -19,12 +19,23 @@ import time
 
 from qwenserve import envs
 from qwenserve.logger import init_logger
+from qwenserve.native.recording import recording_function_type
 
 logger = init_logger(__name__)
 
 # The host's vector ISA: the kernels are built on the machine that runs them.
 DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+# Vectorised expf (glibc's libmvec) in the softmax; the kernels test NaN by its bits.
+# The parts of -ffast-math that let GCC vectorise the reductions, not -ffast-math itself: before
+# GCC 13 that also links crtfastmath.o into shared objects, which turns on flush-to-zero and
+# denormals-are-zero for the whole process when the library loads (torch's arithmetic included).
+# No -ffinite-math-only either: the kernels mask with -inf.
+FAST_MATH = ("-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+             "-freciprocal-math")
 _FALLBACK = "; using the PyTorch kernels"
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# the ctypes argument types of the entry points: raw pointers, int64 sizes and strides, floats
+PTR, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 def native_enabled() -> bool:
@@ -98,10 +109,12 @@ def _load(name: str, sources: tuple[str, ...], cflags: tuple[str, ...]) -> ctype
             return None
         logger.info("native %s kernels built in %.1f s", name, time.perf_counter() - start)
     try:
-        return ctypes.CDLL(target)
+        lib = ctypes.CDLL(target)
     except OSError as e:
         logger.warning("native %s kernels failed to load (%s)%s", name, e, _FALLBACK)
         return None
+    lib._FuncPtr = recording_function_type(lib)  # decode steps can be recorded and replayed
+    return lib
 
 
 def load_library(name: str, sources: list[str],

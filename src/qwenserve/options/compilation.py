@@ -2,9 +2,12 @@
 
 vLLM uses it for ``torch.compile`` (``mode``, inductor settings) and for graph capture
 (``cudagraph_mode``, capture sizes: CUDA graphs on GPUs, ACL graphs on Ascend through vLLM
-Ascend). qwenserve runs every step eagerly on every platform today, so no key acts yet: each
-given key is logged once at start-up with what it does in vLLM and why it has no effect here.
-Unknown keys and malformed values are errors, as in vLLM (its config forbids extra fields).
+Ascend). qwenserve's counterpart on CPU records decode-only steps and replays their native
+kernel calls (worker/decode_replay.py): ``cudagraph_mode`` NONE switches that off (as
+``--enforce-eager`` does) and ``max_cudagraph_capture_size`` is the largest batch it records.
+Every other given key is logged once at start-up with what it does in vLLM and why it has no
+effect here. Unknown keys and malformed values are errors, as in vLLM (its config forbids extra
+fields).
 """
 
 from __future__ import annotations
@@ -50,23 +53,55 @@ FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
+# The decode batches recorded by default: vLLM's default largest CUDA-graph batch is 512; on CPU
+# the recordings keep their activations (~0.5 MiB a sequence on the Qwen2.5-0.5B shape), so
+# fewer. Steps of more sequences than this are Python-light per token anyway.
+DEFAULT_DECODE_REPLAY_MAX_BATCH = 256
+ACTING_KEYS = ("cudagraph_mode", "max_cudagraph_capture_size")  # where decode steps replay
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     """The keys the user gave, validated (vLLM's defaults apply to the rest)."""
 
     given: dict[str, Any] = field(default_factory=dict)
 
+    def decode_replay_max_batch(self, enforce_eager: bool) -> int:
+        """The largest decode batch replayed from a recording; 0: none (``--enforce-eager``,
+        ``cudagraph_mode`` NONE)."""
+        if enforce_eager or self.given.get("cudagraph_mode") == "NONE":
+            return 0
+        return max(0, self.given.get("max_cudagraph_capture_size",
+                                     DEFAULT_DECODE_REPLAY_MAX_BATCH))
+
     def startup_notes(self, platform_name: str) -> list[str]:
-        """One line per given key: what it does in vLLM, and that it has no effect here."""
+        """One line per given key: what it does here (the keys that act on CPU), or what it
+        does in vLLM and why it has no effect here."""
         notes = []
         for key, value in self.given.items():
+            given = f"--compilation-config {key}={json.dumps(value)}"
+            if key in ACTING_KEYS and platform_name == "cpu":
+                notes.append(f"{given}: {_acting_note(key, value)}")
+                continue
             what = FIELDS[key][0]
-            why = ("qwenserve does not use torch.compile yet (it runs the model eagerly)"
-                   if _COMPILE in what else
-                   "qwenserve has no graph capture yet on any platform (every step runs eagerly)")
-            notes.append(f"--compilation-config {key}={json.dumps(value)} ({what}): no effect on "
-                         f"{platform_name}: {why}")
+            if _COMPILE in what:
+                why = "qwenserve does not use torch.compile yet (it runs the model eagerly)"
+            elif platform_name == "cpu":
+                why = ("on CPU qwenserve records and replays decode-only steps of every batch "
+                       "size up to max_cudagraph_capture_size; this key has no counterpart there")
+            else:
+                why = f"qwenserve has no graph capture on {platform_name} yet (steps run eagerly)"
+            notes.append(f"{given} ({what}): no effect on {platform_name}: {why}")
         return notes
+
+
+def _acting_note(key: str, value: Any) -> str:
+    if key == "max_cudagraph_capture_size":
+        return "the largest decode batch recorded and replayed on cpu"
+    if value == "NONE":
+        return "every step runs eagerly (no recorded decode steps), as --enforce-eager"
+    return ("decode-only steps are recorded once per batch size and replayed on cpu (vLLM's "
+            "FULL_DECODE_ONLY; steps with prefill rows run eagerly)")
 
 
 def compilation_config_arg(text: str) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from typing import ClassVar
 
 import torch
 
+# A row window with no upper end: the native kernel takes the GEMM at any number of rows.
+EVERY_ROW = 1 << 62
 
 class Platform(ABC):
     name: ClassVar[str]
@@ -38,6 +40,9 @@ class Platform(ABC):
     # bf16 GEMMs of 1 to amx_gemm_max_rows rows of x go to the native AMX GEMM
     # (native/csrc/bgemm.cpp) where the CPU has AMX; 0: never.
     amx_gemm_max_rows: ClassVar[int] = 0
+    # decode steps whose every op is a native kernel call are recorded once per batch size and
+    # replayed (worker/decode_replay.py): the host-side counterpart of a CUDA graph
+    replays_decode_steps: ClassVar[bool] = False
     # MLPs run on at most this many rows at a time (longer prefills in row chunks, each through
     # gate_up, SiLU-and-mul and down); 0: all rows at once.
     mlp_row_chunk: ClassVar[int] = 0
@@ -102,7 +107,8 @@ class Platform(ABC):
 
     def int8_skinny_max_rows(self) -> int:
         """Up to how many rows of x an int8 GEMM runs the native kernel
-        (native/csrc/gemv.cpp, CPU tensors) instead of ``int8_scaled_mm``; 0: never."""
+        (native/csrc/gemv.cpp, CPU tensors) instead of ``int8_scaled_mm``; 0: never,
+        ``EVERY_ROW``: always."""
         return 0
 
 

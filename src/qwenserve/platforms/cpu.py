@@ -10,7 +10,7 @@ import platform as _platform
 import psutil
 import torch
 
-from qwenserve.platforms.base import Platform, int32_epilogue
+from qwenserve.platforms.base import EVERY_ROW, Platform, int32_epilogue
 from qwenserve.platforms.cpu_packed_gemm import (
     PackedFloatLinear,
     PackedInt8Matmul,
@@ -121,6 +121,7 @@ class CpuPlatform(Platform):
     # "the AMX GEMM prefetches its weight"). CPUs without AMX keep oneDNN (the kernel does not
     # load there).
     amx_gemm_max_rows = 96
+    replays_decode_steps = True
     # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
     # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire
     # Rapids Xeon (2 threads). Qwen2.5-0.5B shape, bf16, 2,048 rows: 31.5 -> 29.0 ms a layer;
@@ -192,7 +193,7 @@ class CpuPlatform(Platform):
         # native kernel, 32 values a step there (vpdpwssd), 1-2 rows: W8A8 decode steps 1.27-1.32x
         # faster than oneDNN's at batch 1, 1.08-1.11x at 2, level at 4 on an Emerald Rapids Xeon
         # (docs/benchmarks.md, "bf16 decode GEMMs on AMX tiles").
-        return 2 if self._has_int8_dot() else 1 << 62
+        return 2 if self._has_int8_dot() else EVERY_ROW
 
     @staticmethod
     def _has_int8_dot() -> bool:

@@ -69,7 +69,7 @@ def int8_mm_reference(a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
 
 
 class RowQuantizer(Protocol):
-    """Faster per-token halves of W8A8 (``native.kernels.Elementwise`` on CPU): the same
+    """Faster per-token halves of W8A8 (``native.elementwise.Elementwise`` on CPU): the same
     integers and scales as ``quantize_per_token`` for the tensors ``supports`` accepts, and
     ``(acc * row_scale).to(out_dtype)`` in one pass."""
 
@@ -96,7 +96,7 @@ class Int8Matmul:
         self.skinny_rows = platform.int8_skinny_max_rows() if platform is not None else 0
         self.skinny = None
         if self.skinny_rows > 0:
-            from qwenserve.native.kernels import gemv
+            from qwenserve.native.gemm import gemv
 
             self.skinny = gemv()
 

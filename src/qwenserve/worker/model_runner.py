@@ -25,6 +25,7 @@ from qwenserve.spec_decode.lockstep import DRIVER_ONLY, SpecRanks, StepTokens
 from qwenserve.spec_decode.proposer import Proposer
 from qwenserve.spec_decode.rejection import verify
 from qwenserve.structured_output.request_grammars import RequestGrammars
+from qwenserve.worker.decode_replay import DecodeReplays
 from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
 from qwenserve.worker.pooler import TokenOutputs, pool, score_tokens
@@ -87,6 +88,8 @@ class ModelRunner:
         # Requests with images, and the vision tower's outputs they hold (worker/mm_inputs.py)
         self.images: dict[str, RequestImages] = {}
         self.encoder_cache = EncoderCache()
+        # decode-only steps replayed from recorded native calls (set by the worker)
+        self.decode_replays: DecodeReplays | None = None
 
     # ---- state --------------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -139,7 +142,10 @@ class ModelRunner:
             self.device)
         if saved is None and self.lockstep is not None and self.lockstep.vote_rollback:
             saved = []  # nothing to roll back here, but the replicas vote on it every step
-        hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
+        hidden = None if self.decode_replays is None or saved is not None \
+            else self.decode_replays.forward(batch, self.caches)
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
         if self.pooler is not None and self.pooler.kind == "reward":
             return self._pooled_tokens(chunks, hidden)
         if self.pooler is not None:

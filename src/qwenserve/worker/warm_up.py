@@ -17,6 +17,7 @@ from torch import nn
 
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.linear import LinearBase
+from qwenserve.platforms.base import EVERY_ROW
 
 if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
@@ -34,7 +35,7 @@ def warm_up_rows(platform: Platform, dtype: torch.dtype) -> int:
     else:
         plain = [platform.skinny_gemm_max_rows]
     int8_rows = platform.int8_skinny_max_rows()
-    if int8_rows < 1 << 20:  # else (AVX2) the native int8 kernel takes every row: nothing packed
+    if int8_rows != EVERY_ROW:  # else (AVX2) nothing is packed for int8 GEMMs
         plain.append(int8_rows)
     return max(plain) + 1
 

@@ -54,6 +54,7 @@ from qwenserve.spec_decode.support import check_speculative, draft_tensor_parall
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.caches import allocate_caches
+from qwenserve.worker.decode_replay import DECODE_REPLAY_BYTES, DecodeReplays
 from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.model_runner import ModelRunner
 from qwenserve.worker.pooler import embedding_checkpoint_names
@@ -300,6 +301,19 @@ class Worker:
                                             self.tp,
                                             self.config.model.hf_config.num_key_value_heads)
         self.runner.lockstep = self._lockstep(self.runner.proposer)
+        self.runner.decode_replays = self._decode_replays(plan)
+
+    def _decode_replays(self, plan: CachePlan) -> DecodeReplays | None:
+        """Recorded decode steps where every op of one can be a native call on this platform:
+        one process (no collectives), a plain dense model, no drafts or pooling."""
+        max_batch = self.config.decode_replay_max_batch
+        if (not max_batch or not self.platform.replays_decode_steps or self.tp.world_size > 1
+                or self.runner.proposer is not None or self.runner.lockstep is not None
+                or self.config.pooler is not None or not DecodeReplays.applies_to(self.model)):
+            return None
+        width = -(-self.config.scheduler.max_model_len // plan.block_size)
+        return DecodeReplays(self.model, self.backends.attention, width, max_batch,
+                             DECODE_REPLAY_BYTES)
 
     @property
     def has_state(self) -> bool:

@@ -52,13 +52,15 @@ def test_compilation_config_json_dotted_and_mode():
 
 
 def test_startup_notes_name_each_key_and_say_why(caplog):
-    args = EngineArgs(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "mode": 3},
+    args = EngineArgs(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "mode": 3,
+                                          "cudagraph_num_of_warmups": 1},
                       additional_config={"enable_cpu_binding": True, "made_up_key": 1},
                       async_scheduling=True)
     with caplog.at_level(logging.INFO):
         log_option_notes(args, "cpu")
     text = caplog.text
-    assert 'cudagraph_mode="FULL_DECODE_ONLY"' in text and "no graph capture" in text
+    assert 'cudagraph_mode="FULL_DECODE_ONLY": decode-only steps are recorded' in text
+    assert "cudagraph_num_of_warmups=1" in text and "no counterpart there" in text
     assert "mode=3" in text and "torch.compile" in text
     assert "enable_cpu_binding" in text and "NUMA" in text
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]

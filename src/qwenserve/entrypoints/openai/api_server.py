@@ -104,7 +104,8 @@ def _log_notes(args: argparse.Namespace) -> None:
             "alone turns reasoning parsing on"
         )
     if args.enforce_eager:
-        logger.info("--enforce-eager: qwenserve always runs eagerly (no graphs, no compile)")
+        logger.info("--enforce-eager: every step runs eagerly (CPU decode steps are not "
+                    "recorded and replayed)")
 
 
 def create_server_state(args: argparse.Namespace, core: CoreClient | None = None

@@ -50,6 +50,18 @@ class AttentionBackend(ABC):
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, num_kv_slots, Hkv, D] -> out [T, Hq, D]."""
 
+    def replay_metadata(self, meta: AttentionMetadata, width: int) -> AttentionMetadata | None:
+        """For a decode-only step's ``meta``: the same metadata in buffers of its own, block
+        tables ``width`` blocks wide, that ``refill`` loads any later decode-only step of as
+        many sequences into (a recorded step reads its inputs there: worker/decode_replay.py).
+        None where this backend's decode is not native calls on such buffers (the default)."""
+        return None
+
+    def refill(self, static: AttentionMetadata, meta: AttentionMetadata) -> bool:
+        """Copy ``meta`` into ``static`` (``replay_metadata``'s); False where it does not fit
+        (another number of sequences, a wider block table, prefill rows)."""
+        raise NotImplementedError(f"{self.name} has no replayable metadata")
+
 
 def kv_slot_ids(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat KV slots of positions ``[start, end)``: ``block_ids[p // bs] * bs + p % bs``."""

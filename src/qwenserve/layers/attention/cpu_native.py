@@ -18,7 +18,7 @@ import torch
 
 from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.layers.attention.torch_ref import TorchRefBackend, TorchRefMetadata, _decode
-from qwenserve.native import kernels
+from qwenserve.native.attention import decode_attention, prefill_attention
 
 
 @dataclass
@@ -30,8 +30,8 @@ class CpuNativeBackend(TorchRefBackend):
     name = "cpu_native"
 
     def __init__(self) -> None:
-        self.kernels = kernels.decode_attention()
-        self.prefill_kernel = kernels.prefill_attention()
+        self.kernels = decode_attention()
+        self.prefill_kernel = prefill_attention()
 
     def build_metadata(self, chunks: list[ChunkLayout], block_size: int,
                        device: torch.device) -> CpuNativeMetadata:
@@ -50,6 +50,28 @@ class CpuNativeBackend(TorchRefBackend):
             return self.kernels(q, kv_cache, meta.decode_blocks, meta.decode_ctx_lens,
                                 meta.block_size, scale, (k, v, meta.slot_mapping))
         return super().forward(q, k, v, kv_cache, meta, scale)
+
+    def replay_metadata(self, meta: CpuNativeMetadata, width: int) -> CpuNativeMetadata | None:
+        if (self.kernels is None or meta.prefills or not meta.num_decodes
+                or meta.decode_blocks.shape[1] > width):
+            return None
+        blocks = torch.zeros(meta.num_decodes, width, dtype=torch.long)
+        blocks[:, : meta.decode_blocks.shape[1]] = meta.decode_blocks
+        # no mask or tails: only the PyTorch decode reads them, and a recorded step has none
+        return CpuNativeMetadata(
+            slot_mapping=meta.slot_mapping.clone(), block_size=meta.block_size,
+            num_decodes=meta.num_decodes, decode_blocks=blocks, decode_mask=None,
+            decode_tails=None, prefills=[], decode_ctx_lens=meta.decode_ctx_lens.clone())
+
+    def refill(self, static: CpuNativeMetadata, meta: CpuNativeMetadata) -> bool:
+        width = meta.decode_blocks.shape[1] if meta.decode_blocks is not None else 0
+        if (meta.prefills or meta.num_decodes != static.num_decodes
+                or width > static.decode_blocks.shape[1]):
+            return False
+        static.slot_mapping.copy_(meta.slot_mapping)
+        static.decode_ctx_lens.copy_(meta.decode_ctx_lens)
+        static.decode_blocks[:, :width].copy_(meta.decode_blocks)
+        return True
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CpuNativeMetadata,
                 scale: float) -> torch.Tensor:

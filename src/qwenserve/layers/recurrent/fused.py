@@ -38,8 +38,8 @@ from qwenserve.layers.recurrent.torch_ref import (
     decode_rows,
 )
 from qwenserve.native import load_library
-from qwenserve.native.build import DEFAULT_CFLAGS
-from qwenserve.native.kernels import CSRC, heads_rows
+from qwenserve.native.attention import heads_rows
+from qwenserve.native.build import CSRC, DEFAULT_CFLAGS
 from qwenserve.platforms.cpu_packed_gemm import PackedWeights
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "gdn_cpu.cpp")

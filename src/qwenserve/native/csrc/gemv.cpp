@@ -38,8 +38,8 @@ inline void prefetch_next_block(const T* const (&wr)[ROWS], int64_t K, int64_t k
 
 // float32: ROWS weight rows x M input rows; accumulators are vectorised by the compiler.
 template <int M>
-inline void block_f32(float* y, const float* x, const float* w, int64_t n0, int64_t rows,
-                      int64_t N, int64_t K) {
+inline void block_f32(float* y, const float* x, const float* w, const float* bias, int64_t n0,
+                      int64_t rows, int64_t N, int64_t K) {
   float acc[M][ROWS] = {};
   const float* wr[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) wr[r] = w + (n0 + std::min(r, rows - 1)) * K;
@@ -57,7 +57,7 @@ inline void block_f32(float* y, const float* x, const float* w, int64_t n0, int6
     acc[m][0] = a0, acc[m][1] = a1, acc[m][2] = a2, acc[m][3] = a3;
   }
   for (int m = 0; m < M; ++m)
-    for (int64_t r = 0; r < rows; ++r) y[m * N + n0 + r] = acc[m][r];
+    for (int64_t r = 0; r < rows; ++r) y[m * N + n0 + r] = acc[m][r] + (bias ? bias[n0 + r] : 0.f);
 }
 
 // int8: products summed exactly in int32, as oneDNN's int8 GEMM: |sum| <= K * 128 * 128 fits
@@ -169,7 +169,8 @@ inline void block_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const 
       y[m * N + n0 + r] = bf16_bits(acc[m][r] + (bias ? to_float(bias[n0 + r]) : 0.f));
 }
 
-using BlockF32 = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
+using BlockF32 = void (*)(float*, const float*, const float*, const float*, int64_t, int64_t,
+                          int64_t, int64_t);
 using BlockS8 = void (*)(int32_t*, const int8_t*, const int8_t*, int64_t, int64_t, int64_t,
                          int64_t);
 using BlockBF16 = void (*)(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t,
@@ -199,11 +200,13 @@ int dispatch(int64_t M, int64_t N, int64_t K, const Block& block) {
 
 extern "C" {
 
-// x [M, K], w [N, K], y [M, N]; all contiguous. Each returns 0, or 1 for an empty shape.
-int gemv_f32(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K) {
+// x [M, K], w [N, K], y [M, N]; all contiguous; bias [N] or null (float32 and bf16: added in
+// fp32 before the one rounding). Each returns 0, or 1 for an empty shape.
+int gemv_f32(float* y, const float* x, const float* w, const float* bias, int64_t M, int64_t N,
+             int64_t K) {
   static const BlockF32 blocks[MAX_M] = {block_f32<1>, block_f32<2>, block_f32<3>, block_f32<4>};
   return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
-    blocks[i](y + m * N, x + m * K, w, n0, rows, N, K);
+    blocks[i](y + m * N, x + m * K, w, bias, n0, rows, N, K);
   });
 }
 

@@ -1,0 +1,220 @@
+"""Typed Python faces of the GEMM kernels: the streaming GEMV, the blocked fp32 GEMM and the
+AMX bf16 GEMM for decode-sized batches."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from qwenserve.logger import init_logger
+from qwenserve.native.build import CSRC, DEFAULT_CFLAGS, FAST_MATH, load_library
+from qwenserve.native.build import I64 as _I
+from qwenserve.native.build import PTR as _P
+
+logger = init_logger(__name__)
+
+
+
+class Gemv:
+    """``csrc/gemv.cpp``: ``x @ w.T`` for a few rows of x (decode), streaming the [N, K] weight
+    once; float32, bf16 (fp32 sums, where the build has AVX512-BF16) and int8 x int8 -> int32
+    (exact, as ``torch._int_mm``)."""
+
+    MAX_ROWS = 4  # decode rows; from 8 rows the blocked GEMMs win (benchmarks.md)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        # dtype of x and w -> (entry point, dtype of the result); the float entries also take
+        # the bias (added in fp32 before the rounding), int8's is the caller's (after scaling)
+        self._entries = {torch.float32: (lib.gemv_f32, torch.float32),
+                         torch.int8: (lib.gemv_s8s32, torch.int32)}
+        lib.gemv_s8s32.argtypes = [_P, _P, _P, _I, _I, _I]
+        floats = [lib.gemv_f32]
+        if lib.gemv_bf16_fast():
+            self._entries[torch.bfloat16] = (lib.gemv_bf16, torch.bfloat16)
+            floats.append(lib.gemv_bf16)
+        for fn in floats:
+            fn.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+        for fn, _ in self._entries.values():
+            fn.restype = ctypes.c_int
+        self._s8_scaled = lib.gemv_s8_scaled
+        self._s8_scaled.argtypes = [_P] * 6 + [_I, _I, _I, ctypes.c_int]
+        self._s8_scaled.restype = ctypes.c_int
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``__call__`` takes this pair: CPU, same dtype, a contiguous [N, K] weight."""
+        return (x.dtype == w.dtype and x.dtype in self._entries
+                and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
+                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
+                and w.shape[1] > 0 and w.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K], w [N, K] contiguous, bias [N] or None -> [..., N] (float32, bf16, or
+        int32 for int8; a bias with int8 is the caller's to add after its scaling)."""
+        assert bias is None or x.dtype != torch.int8, "int8 sums are scaled before any bias"
+        n, k = w.shape
+        x2 = x.reshape(-1, k).contiguous()
+        fn, out_dtype = self._entries[x.dtype]
+        out = torch.empty(x2.shape[0], n, dtype=out_dtype)
+        args = (out.data_ptr(), x2.data_ptr(), w.data_ptr())
+        if x.dtype == torch.int8:
+            status = fn(*args, x2.shape[0], n, k)
+        else:
+            b = None if bias is None else bias.to(x.dtype).contiguous()
+            status = fn(*args, None if b is None else b.data_ptr(), x2.shape[0], n, k)
+        if status:
+            raise ValueError(f"gemv: unsupported shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
+        return out.view(*x.shape[:-1], n)
+
+    SCALED_DTYPES = (torch.float32, torch.bfloat16)
+
+    def int8_scaled(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                    token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor | None:
+        """``int32_epilogue(self(a_q, w_q), scale, token_scale, int_bias, out_dtype)`` in the
+        kernel, to the same values: a_q [M, K] int8, w_q [N, K] int8 (``supports``), scale [N],
+        token_scale [M, 1] float32, int_bias [N] int32 -> [M, N]. None for an out_dtype or
+        scales it does not take (the caller then scales the int32 sums itself)."""
+        m, n = a_q.shape[0], w_q.shape[0]
+        if (out_dtype not in self.SCALED_DTYPES or a_q.dim() != 2
+                or scale.dtype != torch.float32 or scale.numel() != n
+                or (token_scale is not None and (token_scale.dtype != torch.float32
+                                                 or token_scale.numel() != m))
+                or (int_bias is not None and (int_bias.dtype != torch.int32
+                                              or int_bias.numel() != n))):
+            return None
+        a_q, scale = a_q.contiguous(), scale.contiguous()
+        token_scale = None if token_scale is None else token_scale.contiguous()
+        int_bias = None if int_bias is None else int_bias.contiguous()
+        out = torch.empty(m, n, dtype=out_dtype)
+        status = self._s8_scaled(out.data_ptr(), a_q.data_ptr(), w_q.data_ptr(),
+                                 scale.data_ptr(),
+                                 None if token_scale is None else token_scale.data_ptr(),
+                                 None if int_bias is None else int_bias.data_ptr(), m, n,
+                                 a_q.shape[1], int(out_dtype == torch.bfloat16))
+        if status:
+            raise ValueError(f"gemv: unsupported shapes x {tuple(a_q.shape)}, "
+                             f"w {tuple(w_q.shape)}")
+        return out
+
+
+def gemv() -> Gemv | None:
+    """The skinny-GEMM kernel, or None (logged) where it cannot be built."""
+    lib = load_library("qwenserve_gemv", [os.path.join(CSRC, "gemv.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
+    return None if lib is None else Gemv(lib)
+
+
+def _row_major_entry(fn: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
+    """fn with the signature of a row-major GEMM entry point: (y, x, w, bias, M, N, K, ldx) ->
+    status."""
+    fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class _RowMajorGemm:
+    """``x @ w.T + bias`` through a native entry point ``(y, x, w, bias, M, N, K, ldx)`` that
+    reads x's rows in place (row stride ldx) and the [N, K] weight where the model keeps it."""
+
+    dtype: torch.dtype
+    statuses: str  # what the entry point's non-zero statuses mean (for the error)
+
+    def __init__(self, fn: ctypes._CFuncPtr) -> None:
+        self._fn = _row_major_entry(fn)
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``__call__`` takes this pair: CPU tensors in ``dtype``, a contiguous [N, K]
+        weight (x of any layout: its rows are copied when they are not contiguous)."""
+        return (x.dtype == w.dtype == self.dtype and x.is_cpu and w.is_cpu and w.dim() == 2
+                and x.shape[-1] == w.shape[1] and x.numel() > 0 and w.shape[0] > 0
+                and w.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K], w [N, K] contiguous, bias [N] in ``dtype`` or None -> [..., N] in
+        ``dtype``."""
+        return self._run(self._fn, x, w, bias, w.shape[0])
+
+    def _run(self, fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor,
+             bias: torch.Tensor | None, width: int) -> torch.Tensor:
+        """``fn(y, x, w, bias, M, width, K, ldx)`` into a new [..., width] y."""
+        k = w.shape[1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1 or x2.stride(0) < k:
+            x2 = x2.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
+            assert bias.dtype == self.dtype and bias.numel() == w.shape[0]
+        out = torch.empty(x2.shape[0], width, dtype=self.dtype)
+        status = fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
+                    None if bias is None else bias.data_ptr(), x2.shape[0], width, k,
+                    x2.stride(0))
+        if status:
+            raise ValueError(f"{fn.__name__}: status {status} for x {tuple(x.shape)}, "
+                             f"w {tuple(w.shape)} ({self.statuses})")
+        return out.view(*x.shape[:-1], width)
+
+
+class Sgemm(_RowMajorGemm):
+    """``csrc/sgemm.cpp``: ``x @ w.T + bias`` in float32 for any number of rows, cache-blocked
+    (AVX2 + FMA; 16 lanes where the build has AVX512), reading the [N, K] weight in place and
+    packing only x per call."""
+
+    dtype = torch.float32
+    statuses = "1: empty shape, 2: built without AVX2+FMA, 3: out of memory"
+
+
+def sgemm() -> Sgemm | None:
+    """The blocked fp32 GEMM, or None (logged) where it cannot be built or the CPU has no
+    AVX2 + FMA (the kernel's only code path)."""
+    lib = load_library("qwenserve_sgemm", [os.path.join(CSRC, "sgemm.cpp")])
+    if lib is None:
+        return None
+    if not lib.sgemm_f32_available():
+        logger.info("native sgemm not used: this CPU has no AVX2 + FMA; using the platform GEMM")
+        return None
+    return Sgemm(lib.sgemm_f32)
+
+
+class Bgemm(_RowMajorGemm):
+    """``csrc/bgemm.cpp``: ``x @ w.T + bias`` in bf16 on AMX tiles for decode-sized batches,
+    reading the [N, K] weight in place (sums in fp32, one rounding to bf16)."""
+
+    dtype = torch.bfloat16
+    statuses = "1: a shape it does not take, 2: no AMX, 3: out of memory"
+
+    def __init__(self, fn: ctypes._CFuncPtr, silu_mul_fn: ctypes._CFuncPtr) -> None:
+        super().__init__(fn)
+        self._silu_mul = _row_major_entry(silu_mul_fn)
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """As the base's, with N and K multiples of 32 (the kernel's tiles)."""
+        return super().supports(x, w) and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
+
+    def silu_mul(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """An MLP's ``silu_and_mul(x @ w.T + bias)`` in one kernel: x [..., K], w [2I, K] (gate
+        rows, then up rows) contiguous, bias [2I] or None -> [..., I], bit for bit what the
+        GEMM and elementwise.cpp's SiLU-and-mul give in turn. Takes the pairs ``supports``
+        accepts (2I a multiple of 32)."""
+        return self._run(self._silu_mul, x, w, bias, w.shape[0] // 2)
+
+
+@functools.cache
+def bgemm() -> Bgemm | None:
+    """The AMX bf16 GEMM for small batches, or None (logged once) where it cannot be built or the
+    CPU (or the process) cannot use AMX tiles."""
+    # no contraction into fused multiply-adds: the SiLU epilogue equals elementwise.cpp's bits
+    lib = load_library("qwenserve_bgemm", [os.path.join(CSRC, "bgemm.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, "-ffp-contract=off"))
+    if lib is None:
+        return None
+    if not lib.bgemm_bf16_available():
+        logger.info("bf16 AMX GEMM not used: no AMX tiles for this process (CPU, compiler or "
+                    "kernel permission); small bf16 batches use the platform GEMM")
+        return None
+    return Bgemm(lib.bgemm_bf16, lib.bgemm_bf16_silu_mul)

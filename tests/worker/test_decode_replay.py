@@ -1,0 +1,136 @@
+"""Decode steps replayed from their recorded native calls (worker/decode_replay.py): the same
+tokens and logprobs as eager steps, across block boundaries, preemption and prefix caching;
+steps that compute in PyTorch stay eager; ``--enforce-eager`` and ``cudagraph_mode`` NONE switch
+it off; ``max_cudagraph_capture_size`` bounds it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwenserve import LLM, SamplingParams
+from qwenserve.native import build, native_enabled
+from qwenserve.native.elementwise import elementwise
+from qwenserve.native.recording import record_calls, replay
+
+NATIVE = native_enabled() and build.compiler() is not None
+needs_native = pytest.mark.skipif(not NATIVE, reason="no C++ compiler: no native kernels")
+
+# lengths around the 16-token blocks, so decodes cross into new blocks
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((15, 16, 3, 33))]
+
+
+def params(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+
+
+def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 24):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(max_tokens))
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def replays(llm: LLM):
+    return llm.llm_engine.executor.worker.runner.decode_replays
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_replayed_steps_give_the_eager_tokens_and_logprobs(tiny_model, arch, dtype):
+    """Bit for bit: the replay makes the eager step's kernel calls. With four, then one, then
+    three sequences (the batch shrinks as requests finish at different lengths)."""
+    path = tiny_model(arch)
+    kw = dict(dtype=dtype, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    eager, replayed = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
+    assert replays(eager) is None
+    for prompts, n in ((PROMPTS, 24), (PROMPTS[:1], 20), (PROMPTS[1:], 30)):
+        assert generate(replayed, prompts, n) == generate(eager, prompts, n)
+    if NATIVE and dtype == "float32":  # bf16 GEMMs are native only with AVX512-BF16 / AMX
+        assert replays(replayed).replayed_steps > 0
+    for llm in (eager, replayed):
+        llm.llm_engine.shutdown()
+
+
+@needs_native
+def test_preemption_and_prefix_hits_replay_like_eager(tiny_model):
+    """A KV pool too small for all four requests (preempted, recomputed, resumed) and a shared
+    prefix: the decode batch changes size and block tables change between replays."""
+    path = tiny_model("qwen2")
+    shared = PROMPTS[3][:32]
+    prompts = [shared + [9, 8], shared + [4], PROMPTS[2], PROMPTS[1]]
+    kw = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=9,
+              enable_prefix_caching=True)
+    eager, replayed = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
+    assert generate(replayed, prompts, 40) == generate(eager, prompts, 40)
+    assert replays(replayed).replayed_steps > 0
+    for llm in (eager, replayed):
+        llm.llm_engine.shutdown()
+
+
+@needs_native
+def test_a_step_that_computes_in_pytorch_is_not_replayed(tiny_model, monkeypatch):
+    """A decoder whose last norm is followed by a PyTorch op: recording sees the op, the size
+    stays eager, and the outputs are still the eager ones."""
+    from qwenserve.models.dense import DecoderModel
+
+    path = tiny_model("qwen2")
+    run_layers = DecoderModel.run_layers
+    monkeypatch.setattr(DecoderModel, "run_layers",
+                        lambda self, *a: run_layers(self, *a) * 1.0)
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    eager, llm = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
+    assert generate(llm, PROMPTS[:2]) == generate(eager, PROMPTS[:2])
+    assert replays(llm).replayed_steps == 0 and 2 in replays(llm)._refused
+    for engine in (eager, llm):
+        engine.llm_engine.shutdown()
+
+
+@needs_native
+def test_vllm_options_switch_it_off_or_bound_it(tiny_model):
+    path = tiny_model("qwen2")
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    off = LLM(path, compilation_config={"cudagraph_mode": "NONE"}, **kw)
+    assert replays(off) is None
+    off.llm_engine.shutdown()
+    bounded = LLM(path, compilation_config={"max_cudagraph_capture_size": 2}, **kw)
+    generate(bounded, PROMPTS[:3], 8)  # three sequences: above the bound
+    assert replays(bounded).replayed_steps == 0
+    generate(bounded, PROMPTS[:2], 8)
+    assert replays(bounded).replayed_steps > 0
+    bounded.llm_engine.shutdown()
+
+
+@needs_native
+def test_recordings_past_their_memory_budget_are_not_kept(tiny_model, monkeypatch):
+    from qwenserve.worker import worker
+
+    monkeypatch.setattr(worker, "DECODE_REPLAY_BYTES", 1024)
+    llm = LLM(tiny_model("qwen2"), dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=16 << 20)
+    generate(llm, PROMPTS[:2], 8)
+    assert replays(llm).replayed_steps == 0 and 2 in replays(llm)._refused
+    llm.llm_engine.shutdown()
+
+
+@pytest.mark.skipif(not NATIVE or elementwise() is None, reason="no native kernels")
+def test_replay_stops_where_a_kernel_refuses_the_new_data():
+    """The rotary kernel refuses a position outside its table (status 2): a replay over data
+    it now refuses reports it, so the step runs eagerly (and raises there, as it should)."""
+    kernels = elementwise()
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    cos, sin = torch.randn(4, 8), torch.randn(4, 8)
+    positions = torch.tensor([3])
+    with record_calls() as calls:
+        kernels.rotary(positions, q, k, cos, sin, 8)
+    assert len(calls) == 1 and replay(calls)
+    positions.fill_(9)
+    assert not replay(calls)
+    with pytest.raises(IndexError, match="outside the table"):
+        kernels.rotary(positions, q, k, cos, sin, 8)
+
+
+def test_recordings_do_not_nest():
+    with record_calls(), pytest.raises(RuntimeError, match="already being recorded"):
+        with record_calls():
+            pass
