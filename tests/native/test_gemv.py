@@ -66,6 +66,19 @@ def test_int8_scaled_equals_the_torch_epilogue(m, n, k, out_dtype, threads):
             got = KERNEL.int8_scaled(x, w, scale, token_scale, bias, out_dtype)
             want = int32_epilogue(KERNEL(x, w), scale, token_scale, bias, out_dtype)
             assert got.dtype == out_dtype and torch.equal(got, want)
+    # a layer's float bias, added in the kernel as ``y + bias`` adds it to the scaled y
+    layer_bias = torch.randn(n).to(out_dtype)
+    got = KERNEL.int8_scaled(x, w, scale, None, None, out_dtype, layer_bias)
+    want = int32_epilogue(KERNEL(x, w), scale, None, None, out_dtype) + layer_bias
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3])
+def test_float32_bias_is_added_in_the_kernel_as_torch_adds_it(m):
+    torch.manual_seed(m)
+    x, w, bias = torch.randn(m, 96), torch.randn(40, 96), torch.randn(40)
+    assert torch.equal(KERNEL(x, w, bias), KERNEL(x, w).add_(bias))
 
 
 @needs_kernel

@@ -53,6 +53,23 @@ def test_replayed_steps_give_the_eager_tokens_and_logprobs(tiny_model, arch, dty
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_w8a8_decode_steps_replay_like_eager(tiny_model, dtype):
+    """``--quantization int8``: one and two sequences run the native int8 GEMV with its scales
+    and the layer's bias in the kernel, so their steps replay too."""
+    path = tiny_model("qwen2")
+    kw = dict(dtype=dtype, max_model_len=128, kv_cache_memory_bytes=16 << 20,
+              quantization="int8")
+    eager, replayed = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
+    for prompts in (PROMPTS[:1], PROMPTS[1:3]):
+        assert generate(replayed, prompts, 12) == generate(eager, prompts, 12)
+    if dtype == "float32" or eager.llm_engine.executor.worker.backends.elementwise is not None:
+        assert replays(replayed).replayed_steps > 0
+    for llm in (eager, replayed):
+        llm.llm_engine.shutdown()
+
+
+@needs_native
 def test_preemption_and_prefix_hits_replay_like_eager(tiny_model):
     """A KV pool too small for all four requests (preempted, recomputed, resumed) and a shared
     prefix: the decode batch changes size and block tables change between replays."""

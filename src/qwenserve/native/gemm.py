@@ -40,7 +40,7 @@ class Gemv:
         for fn, _ in self._entries.values():
             fn.restype = ctypes.c_int
         self._s8_scaled = lib.gemv_s8_scaled
-        self._s8_scaled.argtypes = [_P] * 6 + [_I, _I, _I, ctypes.c_int]
+        self._s8_scaled.argtypes = [_P] * 7 + [_I, _I, _I, ctypes.c_int]
         self._s8_scaled.restype = ctypes.c_int
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -73,13 +73,16 @@ class Gemv:
 
     def int8_scaled(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                     token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor | None:
-        """``int32_epilogue(self(a_q, w_q), scale, token_scale, int_bias, out_dtype)`` in the
-        kernel, to the same values: a_q [M, K] int8, w_q [N, K] int8 (``supports``), scale [N],
-        token_scale [M, 1] float32, int_bias [N] int32 -> [M, N]. None for an out_dtype or
-        scales it does not take (the caller then scales the int32 sums itself)."""
+                    out_dtype: torch.dtype, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
+        """``int32_epilogue(self(a_q, w_q), scale, token_scale, int_bias, out_dtype) + bias``
+        in the kernel, to the same values: a_q [M, K] int8, w_q [N, K] int8 (``supports``),
+        scale [N], token_scale [M, 1] float32, int_bias [N] int32, bias [N] in out_dtype (a
+        layer's float bias) -> [M, N]. None for an out_dtype or scales it does not take (the
+        caller then scales the int32 sums itself)."""
         m, n = a_q.shape[0], w_q.shape[0]
         if (out_dtype not in self.SCALED_DTYPES or a_q.dim() != 2
+                or (bias is not None and (bias.dtype != out_dtype or bias.numel() != n))
                 or scale.dtype != torch.float32 or scale.numel() != n
                 or (token_scale is not None and (token_scale.dtype != torch.float32
                                                  or token_scale.numel() != m))
@@ -89,11 +92,13 @@ class Gemv:
         a_q, scale = a_q.contiguous(), scale.contiguous()
         token_scale = None if token_scale is None else token_scale.contiguous()
         int_bias = None if int_bias is None else int_bias.contiguous()
+        bias = None if bias is None else bias.contiguous()
         out = torch.empty(m, n, dtype=out_dtype)
         status = self._s8_scaled(out.data_ptr(), a_q.data_ptr(), w_q.data_ptr(),
                                  scale.data_ptr(),
                                  None if token_scale is None else token_scale.data_ptr(),
-                                 None if int_bias is None else int_bias.data_ptr(), m, n,
+                                 None if int_bias is None else int_bias.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), m, n,
                                  a_q.shape[1], int(out_dtype == torch.bfloat16))
         if status:
             raise ValueError(f"gemv: unsupported shapes x {tuple(a_q.shape)}, "

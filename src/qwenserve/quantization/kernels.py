@@ -130,16 +130,19 @@ class Int8Matmul:
 
     def __call__(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                  token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
-                 out_dtype: torch.dtype) -> torch.Tensor:
-        """a_q [M, K] int8, w_q [N, K] int8, scale [N], token_scale [M, 1] -> [M, N]."""
+                 out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """a_q [M, K] int8, w_q [N, K] int8, scale [N], token_scale [M, 1] -> [M, N], plus
+        ``bias`` [N] (a layer's float bias, added to the result in out_dtype) if given."""
         out = None
         if self._skinny_takes(a_q, w_q):
             from qwenserve.platforms.base import int32_epilogue
 
-            out = self.skinny.int8_scaled(a_q, w_q, scale, token_scale, int_bias, out_dtype)
-            if out is None:  # an out_dtype or scales the kernel does not take
-                out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias,
-                                     out_dtype)
+            out = self.skinny.int8_scaled(a_q, w_q, scale, token_scale, int_bias, out_dtype,
+                                          bias)
+            if out is not None:
+                return out  # the bias added in the kernel (decode steps stay native calls)
+            # an out_dtype or scales the kernel does not take
+            out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias, out_dtype)
         elif token_scale is not None and self._quantizer_scales(a_q.shape[0]):
             # the platform scales per channel, the quantizer per token and casts: one pass
             acc = self.accumulate(a_q, w_q, scale, int_bias)
@@ -149,4 +152,4 @@ class Int8Matmul:
             out = self.platform.int8_scaled_mm(a_q, w_q, scale, token_scale, int_bias, out_dtype)
         if out is None:
             out = int8_mm_reference(a_q, w_q, scale, token_scale, int_bias, out_dtype)
-        return out
+        return out if bias is None else out + bias

@@ -75,9 +75,7 @@ class Int8LinearMethod:
               bias: torch.Tensor | None) -> torch.Tensor:
         x_q, token_scale = self.matmul.quantize(_flat(x))  # [T, in] int8, [T, 1]
         y = self.matmul(x_q, layer.weight, layer.weight_scale.view(-1), token_scale, None,
-                        x.dtype)  # [T, out]
-        if bias is not None:
-            y = y + bias
+                        x.dtype, bias)  # [T, out]
         return y.view(*x.shape[:-1], -1)
 
     def process_weights(self, layer: nn.Module) -> None:

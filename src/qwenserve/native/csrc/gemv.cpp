@@ -220,10 +220,11 @@ int gemv_s8s32(int32_t* y, const int8_t* x, const int8_t* w, int64_t M, int64_t 
 //   y = T(T32(T32(float(sum + bias[n]) * scale[n]) * token_scale[m]))
 // with bias [N] int32 and token_scale [M] optional (null), each product rounded to fp32 in
 // that order, as int32_epilogue's torch ops compute it (the same values), where those ops cost
-// 6-10 us a call (four small tensors a GEMM: ~0.7 ms of a batch-1 W8A8 step).
+// 6-10 us a call (four small tensors a GEMM: ~0.7 ms of a batch-1 W8A8 step). out_bias [N]
+// (optional, in y's dtype) is then added as a layer's float bias is, y = T(y + out_bias[n]).
 int gemv_s8_scaled(void* y, const int8_t* x, const int8_t* w, const float* scale,
-                   const float* token_scale, const int32_t* bias, int64_t M, int64_t N,
-                   int64_t K, int out_bf16) {
+                   const float* token_scale, const int32_t* bias, const void* out_bias,
+                   int64_t M, int64_t N, int64_t K, int out_bf16) {
   return dispatch(M, N, K, [&](int64_t i, int64_t n0, int64_t rows, int64_t m) {
     int32_t acc[MAX_M * ROWS];
     kBlocksS8[i](acc, x + m * K, w, n0, rows, ROWS, K);
@@ -235,10 +236,15 @@ int gemv_s8_scaled(void* y, const int8_t* x, const int8_t* w, const float* scale
         // no reassociation into v * (scale * token_scale) (-fassociative-math is on here)
         asm("" : "+m"(v));
         if (token_scale) v *= token_scale[m + j];
-        if (out_bf16)
-          static_cast<uint16_t*>(y)[(m + j) * N + n] = bf16_bits(v);
-        else
-          static_cast<float*>(y)[(m + j) * N + n] = v;
+        if (out_bf16) {
+          uint16_t out = bf16_bits(v);
+          if (out_bias)  // the scaled value rounds first, as y + bias does on the bf16 y
+            out = bf16_bits(to_float(out) + to_float(static_cast<const uint16_t*>(out_bias)[n]));
+          static_cast<uint16_t*>(y)[(m + j) * N + n] = out;
+        } else {
+          static_cast<float*>(y)[(m + j) * N + n] =
+              out_bias ? v + static_cast<const float*>(out_bias)[n] : v;
+        }
       }
   });
 }
