@@ -6,9 +6,9 @@ the same calls on the same buffers every step; only the buffers' contents change
 such step of each batch size (two in a row, so sizes seen once are not recorded) runs eagerly
 while ``native.recording`` keeps its calls, in buffers of its own (the embeddings, positions
 and attention metadata: ``AttentionBackend.replay_metadata``). Later steps of that size copy
-their inputs into those buffers and make the same calls, without the per-layer Python: a
-batch-1 step of the Qwen2.5-0.5B shape 33.7 -> 27.8 ms, 64 sequences 56.6 -> 51.3 ms
-(docs/benchmarks.md). It is what vLLM does with CUDA graphs for decode batches
+their inputs into those buffers and make the same calls, without the per-layer Python: a bf16
+batch-1 step of the Qwen2.5-0.5B shape 35.7 -> 30.1 ms, 64 sequences 56.7 -> 51.8 ms on an
+Emerald Rapids Xeon (docs/benchmarks.md). It is what vLLM does with CUDA graphs for decode batches
 (``cudagraph_mode`` FULL_DECODE_ONLY), and ``--enforce-eager`` switches it off, as there.
 
 A recording is only kept when it is complete: under a ``TorchDispatchMode`` every PyTorch op of
