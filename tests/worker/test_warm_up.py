@@ -85,7 +85,13 @@ def test_the_rows_follow_the_platforms_windows(monkeypatch):
     monkeypatch.setattr(CpuPlatform, "amx_gemm_max_rows", 200)
     monkeypatch.setattr(CpuPlatform, "int8_skinny_max_rows", lambda self: 9)
     assert warm_up_rows(CpuPlatform(), torch.bfloat16) == 201
-    assert warm_up_rows(CpuPlatform(), torch.float32) == 10
+    assert warm_up_rows(CpuPlatform(), torch.float32) == 5  # not W8A8: the int8 windows don't
+    monkeypatch.setattr(CpuPlatform, "amx_int8_max_rows", 7)
+    assert warm_up_rows(CpuPlatform(), torch.float32, int8=True) == 10
+    monkeypatch.setattr(CpuPlatform, "amx_int8_max_rows", 30)
+    assert warm_up_rows(CpuPlatform(), torch.float32, int8=True) == 31
     bare = SimpleNamespace(bf16_skinny_gemm_max_rows=0, amx_gemm_max_rows=0,
-                           skinny_gemm_max_rows=0, int8_skinny_max_rows=lambda: 0)
+                           skinny_gemm_max_rows=0, int8_skinny_max_rows=lambda: 0,
+                           amx_int8_max_rows=0)
     assert warm_up_rows(bare, torch.bfloat16) == warm_up_rows(bare, torch.float32) == 1
+    assert warm_up_rows(bare, torch.float32, int8=True) == 1

@@ -223,3 +223,63 @@ def bgemm() -> Bgemm | None:
                     "kernel permission); small bf16 batches use the platform GEMM")
         return None
     return Bgemm(lib.bgemm_bf16, lib.bgemm_bf16_silu_mul)
+
+
+class Igemm:
+    """``csrc/igemm.cpp``: W8A8's GEMM with its scaling on AMX-INT8 tiles for decode-sized
+    batches, reading the [N, K] int8 weight in place: ``int32_epilogue``'s values (and a layer's
+    float bias after them), as ``Gemv.int8_scaled`` gives for a row or two."""
+
+    SCALED_DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, fn: ctypes._CFuncPtr) -> None:
+        self._fn = fn
+        self._fn.argtypes = [_P] * 7 + [_I] * 4 + [ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+
+    def scaled(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+               token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """a_q [M, K] int8, w_q [N, K] int8 contiguous, scale [N] float32, token_scale [M, 1]
+        float32, int_bias [N] int32, bias [N] in out_dtype -> [M, N] in out_dtype; None for
+        what it does not take (K not a multiple of 64, N of 32, other dtypes)."""
+        m, (n, k) = a_q.shape[0], w_q.shape
+        if (out_dtype not in self.SCALED_DTYPES or a_q.dim() != 2 or a_q.dtype != torch.int8
+                or w_q.dtype != torch.int8 or not w_q.is_contiguous() or a_q.shape[1] != k
+                or k % 64 or n % 32 or a_q.stride(1) != 1
+                or scale.dtype != torch.float32 or scale.numel() != n
+                or (token_scale is not None and (token_scale.dtype != torch.float32
+                                                 or token_scale.numel() != m))
+                or (int_bias is not None and (int_bias.dtype != torch.int32
+                                              or int_bias.numel() != n))
+                or (bias is not None and (bias.dtype != out_dtype or bias.numel() != n))):
+            return None
+        scale = scale.contiguous()
+        token_scale = None if token_scale is None else token_scale.contiguous()
+        int_bias = None if int_bias is None else int_bias.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out = torch.empty(m, n, dtype=out_dtype)
+        status = self._fn(out.data_ptr(), a_q.data_ptr(), w_q.data_ptr(), scale.data_ptr(),
+                          None if token_scale is None else token_scale.data_ptr(),
+                          None if int_bias is None else int_bias.data_ptr(),
+                          None if bias is None else bias.data_ptr(), m, n, k, a_q.stride(0),
+                          int(out_dtype == torch.bfloat16))
+        if status:
+            raise ValueError(f"igemm_s8_scaled: status {status} for x {tuple(a_q.shape)}, "
+                             f"w {tuple(w_q.shape)} (2: no AMX-INT8, 3: out of memory)")
+        return out
+
+
+@functools.cache
+def igemm() -> Igemm | None:
+    """The AMX-INT8 W8A8 GEMM for small batches, or None (logged once) where it cannot be built
+    or the CPU (or the process) cannot use AMX-INT8 tiles."""
+    lib = load_library("qwenserve_igemm", [os.path.join(CSRC, "igemm.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, "-ffp-contract=off"))
+    if lib is None:
+        return None
+    if not lib.igemm_s8_available():
+        logger.info("int8 AMX GEMM not used: no AMX-INT8 tiles for this process (CPU, compiler "
+                    "or kernel permission); small W8A8 batches use the platform GEMM")
+        return None
+    return Igemm(lib.igemm_s8_scaled)

@@ -40,6 +40,9 @@ class Platform(ABC):
     # bf16 GEMMs of 1 to amx_gemm_max_rows rows of x go to the native AMX GEMM
     # (native/csrc/bgemm.cpp) where the CPU has AMX; 0: never.
     amx_gemm_max_rows: ClassVar[int] = 0
+    # W8A8 GEMMs of more than int8_skinny_max_rows() and at most this many rows of x go to the
+    # native AMX-INT8 GEMM (native/csrc/igemm.cpp) where the CPU has AMX; 0: never.
+    amx_int8_max_rows: ClassVar[int] = 0
     # decode steps whose every op is a native kernel call are recorded once per batch size and
     # replayed (worker/decode_replay.py): the host-side counterpart of a CUDA graph
     replays_decode_steps: ClassVar[bool] = False

@@ -121,6 +121,9 @@ class CpuPlatform(Platform):
     # "the AMX GEMM prefetches its weight"). CPUs without AMX keep oneDNN (the kernel does not
     # load there).
     amx_gemm_max_rows = 96
+    # 1.3-1.8x oneDNN's packed int8 GEMM at 4-96 rows over a 24-layer stack's W8A8 weights
+    # (Emerald Rapids, 2 threads; docs/benchmarks.md, "decode steps replayed")
+    amx_int8_max_rows = 96
     replays_decode_steps = True
     # A prefill's MLP in chunks of 512 rows: the [rows, 2I] gate_up output and the SiLU pass stay
     # in cache, and oneDNN's down GEMM ran at half speed at 768-1280 rows on the Sapphire

@@ -99,6 +99,14 @@ class Int8Matmul:
             from qwenserve.native.gemm import gemv
 
             self.skinny = gemv()
+        # above the skinny rows: the AMX-INT8 kernel (scaling and bias in its epilogue) up to
+        # the platform's window, where it runs
+        self.amx_rows = platform.amx_int8_max_rows if platform is not None else 0
+        self.amx = None
+        if self.amx_rows > 0:
+            from qwenserve.native.gemm import igemm
+
+            self.amx = igemm()
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``quantize_per_token(x)``, x [M, K], through the quantizer where it takes x: one pass
@@ -110,6 +118,14 @@ class Int8Matmul:
     def _skinny_takes(self, a_q: torch.Tensor, w_q: torch.Tensor) -> bool:
         return (self.skinny is not None and a_q.shape[0] <= self.skinny_rows
                 and self.skinny.supports(a_q, w_q))
+
+    def _amx(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+             token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+             out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The AMX-INT8 kernel's result, or None where it does not take the call."""
+        if self.amx is None or a_q.shape[0] > self.amx_rows:
+            return None
+        return self.amx.scaled(a_q, w_q, scale, token_scale, int_bias, out_dtype, bias)
 
     def _quantizer_scales(self, rows: int) -> bool:
         return self.platform is not None and self.quantizer is not None and rows > 1
@@ -126,6 +142,9 @@ class Int8Matmul:
         """``(a_q @ w_q.T + int_bias) * scale`` in float32 through the platform's GEMM (the
         per-token scale not yet applied), or None where the platform has no int8 GEMM."""
         assert self.platform is not None
+        out = self._amx(a_q, w_q, scale, None, int_bias, torch.float32)
+        if out is not None:
+            return out
         return self.platform.int8_scaled_mm(a_q, w_q, scale, None, int_bias, torch.float32)
 
     def __call__(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
@@ -143,6 +162,9 @@ class Int8Matmul:
                 return out  # the bias added in the kernel (decode steps stay native calls)
             # an out_dtype or scales the kernel does not take
             out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias, out_dtype)
+        elif (amx := self._amx(a_q, w_q, scale, token_scale, int_bias, out_dtype, bias)) \
+                is not None:
+            return amx
         elif token_scale is not None and self._quantizer_scales(a_q.shape[0]):
             # the platform scales per channel, the quantizer per token and casts: one pass
             acc = self.accumulate(a_q, w_q, scale, int_bias)

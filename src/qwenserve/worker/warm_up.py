@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from qwenserve.platforms.base import Platform
 
 
-def warm_up_rows(platform: Platform, dtype: torch.dtype) -> int:
+def warm_up_rows(platform: Platform, dtype: torch.dtype, int8: bool = False) -> int:
     """Rows of the warm-up call for activations in ``dtype``: one past every native kernel that
     reads the plain weight in place (the skinny GEMMs, bf16's AMX GEMM, int8's skinny rows of a
     W8A8 layer), so the call reaches the GEMM that keeps a prepared copy. On CPU: 97 bf16 rows,
@@ -34,9 +34,9 @@ def warm_up_rows(platform: Platform, dtype: torch.dtype) -> int:
         plain = [platform.bf16_skinny_gemm_max_rows, platform.amx_gemm_max_rows]
     else:
         plain = [platform.skinny_gemm_max_rows]
-    int8_rows = platform.int8_skinny_max_rows()
-    if int8_rows != EVERY_ROW:  # else (AVX2) nothing is packed for int8 GEMMs
-        plain.append(int8_rows)
+    int8_rows = platform.int8_skinny_max_rows() if int8 else EVERY_ROW
+    if int8_rows != EVERY_ROW:  # a W8A8 model (on AVX2 the native kernel takes every row)
+        plain += [int8_rows, platform.amx_int8_max_rows]
     return max(plain) + 1
 
 
