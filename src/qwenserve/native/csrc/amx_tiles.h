@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512F__)
@@ -67,6 +68,36 @@ inline void transpose16(const __m512* rows, __m512* cols) {
     cols[j] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0x88);
     cols[j + 8] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0xdd);
   }
+}
+
+// Packed B operands of a call: grows with the largest call, kept by the calling thread (its
+// OpenMP team shares it).
+template <typename T>
+struct Buffer {
+  T* data = nullptr;
+  int64_t size = 0;
+  T* get(int64_t n) {
+    if (n > size) {
+      std::free(data);
+      data = static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64));
+      size = data ? n : 0;
+    }
+    return data;
+  }
+  ~Buffer() { std::free(data); }
+};
+
+// Rows m0 .. m0+15 of x (rows ldx bytes apart), bytes 64s .. 64s+63 of each -> one B tile: the
+// 16 x 16 transpose of their 32-bit words (a row of x per column; k pairs of bf16 or k quads of
+// int8 as tile rows). Rows past M are zero.
+inline void pack_b_tile(void* dst, const void* x, int64_t ldx, int64_t m0, int64_t M, int64_t s) {
+  const char* bytes = static_cast<const char*>(x);
+  __m512 rows[16], cols[16];
+  for (int64_t i = 0; i < 16; ++i)
+    rows[i] = m0 + i < M ? _mm512_loadu_ps(bytes + (m0 + i) * ldx + 64 * s) : _mm512_setzero_ps();
+  transpose16(rows, cols);
+  float* tile = static_cast<float*>(dst);
+  for (int r = 0; r < 16; ++r) _mm512_store_ps(tile + 16 * r, cols[r]);
 }
 
 }  // namespace qs_amx

@@ -29,7 +29,6 @@
 // intermediate and the separate pass over it.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include <omp.h>
 
@@ -43,33 +42,6 @@ using qs_amx::TILE;
 using qs_amx::transpose16;
 
 constexpr int64_t PANEL = 32;  // weight rows a task: two A tiles
-
-// Packed x: grows with the largest call, kept by the calling thread (its team shares it).
-struct Buffer {
-  uint16_t* data = nullptr;
-  int64_t size = 0;
-  uint16_t* get(int64_t n) {
-    if (n > size) {
-      std::free(data);
-      data = static_cast<uint16_t*>(std::aligned_alloc(64, (n * 2 + 63) / 64 * 64));
-      size = data ? n : 0;
-    }
-    return data;
-  }
-  ~Buffer() { std::free(data); }
-};
-
-// Rows m0 .. m0+15 of x, k 32s .. 32s+31 -> one B tile (k pairs as rows, a row of x per 32-bit
-// column); rows past M are zero.
-inline void pack_tile(uint16_t* dst, const uint16_t* x, int64_t ldx, int64_t m0, int64_t M,
-                      int64_t s) {
-  __m512 rows[16], cols[16];
-  for (int64_t i = 0; i < 16; ++i)
-    rows[i] = m0 + i < M ? _mm512_loadu_ps(x + (m0 + i) * ldx + 32 * s) : _mm512_setzero_ps();
-  transpose16(rows, cols);
-  float* tile = reinterpret_cast<float*>(dst);
-  for (int r = 0; r < 16; ++r) _mm512_store_ps(tile + 16 * r, cols[r]);
-}
 
 // A C tile (16 weight rows x 16 rows of x, fp32) as 16 vectors, one a row of x, plus bias[0 ..
 // 15] (null: none).
@@ -222,7 +194,7 @@ void panel(const Rows& a, const uint16_t* xp, uint16_t* y, const uint16_t* bias,
 template <Epilogue E, typename RowsOf>
 int run(uint16_t* y, const uint16_t* x, const uint16_t* bias, int64_t M, int64_t N, int64_t K,
         int64_t ldx, int64_t panels, int64_t columns, RowsOf rows_of) {
-  static thread_local Buffer buffer;
+  static thread_local qs_amx::Buffer<uint16_t> buffer;
   const int64_t blocks = (M + 15) / 16, steps = K / 32;
   uint16_t* xp = buffer.get(blocks * steps * TILE);
   if (xp == nullptr) return 3;
@@ -230,7 +202,7 @@ int run(uint16_t* y, const uint16_t* x, const uint16_t* bias, int64_t M, int64_t
   {
     const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
     for (int64_t j = tid; j < blocks * steps; j += threads)
-      pack_tile(xp + j * TILE, x, ldx, 16 * (j / steps), M, j % steps);
+      qs_amx::pack_b_tile(xp + j * TILE, x, 2 * ldx, 16 * (j / steps), M, j % steps);
     qs_amx::configure();
     alignas(64) float c[512];
     const int64_t per = panels / threads, extra = panels % threads;

@@ -20,7 +20,6 @@
 // process has no AMX-INT8, 3 when the packing buffer cannot be allocated.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include <omp.h>
 
@@ -34,32 +33,6 @@ using qs_amx::transpose16;
 
 constexpr int64_t PANEL = 32;      // weight rows a task: two A tiles
 constexpr int64_t TILE_BYTES = 1024;  // a 16 x 64-byte tile
-
-struct Buffer {
-  int8_t* data = nullptr;
-  int64_t size = 0;
-  int8_t* get(int64_t n) {
-    if (n > size) {
-      std::free(data);
-      data = static_cast<int8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64));
-      size = data ? n : 0;
-    }
-    return data;
-  }
-  ~Buffer() { std::free(data); }
-};
-
-// Rows m0 .. m0+15 of x, k 64s .. 64s+63 -> one B tile (k quads as rows, a row of x per 32-bit
-// column); rows past M are zero.
-inline void pack_tile(int8_t* dst, const int8_t* x, int64_t ldx, int64_t m0, int64_t M,
-                      int64_t s) {
-  __m512 rows[16], cols[16];
-  for (int64_t i = 0; i < 16; ++i)
-    rows[i] = m0 + i < M ? _mm512_loadu_ps(x + (m0 + i) * ldx + 64 * s) : _mm512_setzero_ps();
-  transpose16(rows, cols);
-  float* tile = reinterpret_cast<float*>(dst);
-  for (int r = 0; r < 16; ++r) _mm512_store_ps(tile + 16 * r, cols[r]);
-}
 
 struct Scaling {
   const float* scale;        // [N]
@@ -172,7 +145,7 @@ int igemm_s8_scaled(void* y, const int8_t* x, const int8_t* w, const float* scal
   return 2;
 #else
   if (!qs_amx::permitted()) return 2;
-  static thread_local Buffer buffer;
+  static thread_local qs_amx::Buffer<int8_t> buffer;
   const int64_t blocks = (M + 15) / 16, steps = K / 64, panels = N / PANEL;
   int8_t* xp = buffer.get(blocks * steps * TILE_BYTES);
   if (xp == nullptr) return 3;
@@ -181,7 +154,7 @@ int igemm_s8_scaled(void* y, const int8_t* x, const int8_t* w, const float* scal
   {
     const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
     for (int64_t j = tid; j < blocks * steps; j += threads)
-      pack_tile(xp + j * TILE_BYTES, x, ldx, 16 * (j / steps), M, j % steps);
+      qs_amx::pack_b_tile(xp + j * TILE_BYTES, x, ldx, 16 * (j / steps), M, j % steps);
     qs_amx::configure();
     alignas(64) int32_t c[512];
     const int64_t per = panels / threads, extra = panels % threads;
