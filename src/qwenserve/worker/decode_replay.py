@@ -109,6 +109,7 @@ class DecodeReplays:
         self._refused: set[int] = set()  # sizes whose step computes outside native kernels
         self._last_size = 0  # the previous decode-only step's batch size
         self.replayed_steps = 0  # for tests and benchmarks
+        self._logged = False
 
     @staticmethod
     def applies_to(model: object) -> bool:
@@ -169,6 +170,12 @@ class DecodeReplays:
             return hidden
         self._recordings[n] = _Recording(embeddings, positions, attn, calls, hidden,
                                          allocations.tensors, nbytes)
+        # once at INFO (operators see that it acts and how to turn it off), then at DEBUG
+        (logger.debug if self._logged else logger.info)(
+            "recorded the decode step of %d sequence(s): %d native calls, %.1f MiB of buffers; "
+            "later decode steps of that size replay them (--enforce-eager: every step eager)",
+            n, len(calls), nbytes / 2**20)
+        self._logged = True
         while sum(r.nbytes for r in self._recordings.values()) > self.max_bytes:
             self._recordings.popitem(last=False)
         return hidden
