@@ -192,6 +192,10 @@ def test_every_command_is_accepted_by_the_serve_parser(tmp_path, capsys):
         assert ns.max_model_len == report["max_model_len"]
         assert ns.block_size in (None, report["block_size"])
         assert shlex.split(report["commands"]["vllm"] or "vllm serve x")[:2] == ["vllm", "serve"]
+        # CPU: the recorded decode steps' RAM is named beside the plan's figures
+        replay_notes = [n for n in report["notes"] if "recorded decode steps" in n]
+        assert len(replay_notes) == (flags[1] == "cpu") and all("256 MiB" in n
+                                                                 for n in replay_notes)
 
 
 def test_max_model_len_above_the_model_is_refused_as_serve_refuses_it(

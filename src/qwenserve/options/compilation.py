@@ -57,6 +57,9 @@ FIELDS: dict[str, tuple[str, str]] = {
 # the recordings keep their activations (~0.5 MiB a sequence on the Qwen2.5-0.5B shape), so
 # fewer. Steps of more sequences than this are Python-light per token anyway.
 DEFAULT_DECODE_REPLAY_MAX_BATCH = 256
+# What all recorded decode steps' buffers may hold together (worker/decode_replay.py): a batch-64
+# step of the Qwen2.5-0.5B shape keeps ~33 MiB of activations, a batch-1 step ~0.6 MiB.
+DECODE_REPLAY_BYTES = 256 << 20
 ACTING_KEYS = ("cudagraph_mode", "max_cudagraph_capture_size")  # where decode steps replay
 
 

@@ -38,10 +38,6 @@ from qwenserve.native.recording import NativeCall, record_calls, replay
 
 logger = init_logger(__name__)
 
-# What all recordings' buffers may hold together: a batch-64 step of the Qwen2.5-0.5B shape
-# keeps ~33 MiB of activations, a batch-1 step ~0.6 MiB.
-DECODE_REPLAY_BYTES = 256 << 20
-
 # PyTorch ops that only allocate or make views: a step that runs any other op is not recorded
 _NO_COMPUTE = frozenset({
     "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",

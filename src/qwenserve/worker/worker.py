@@ -43,6 +43,7 @@ from qwenserve.models.loader import iter_safetensors, iter_weights, safetensors_
 from qwenserve.models.qwen3_5_mtp import MTP_PREFIXES
 from qwenserve.models.registry import load_model_class
 from qwenserve.models.sharded_state import load_sharded_state
+from qwenserve.options.compilation import DECODE_REPLAY_BYTES
 from qwenserve.sampling_params import SamplingParams
 from qwenserve.spec_decode.config import EAGLE3, MTP
 from qwenserve.spec_decode.draft_model import DraftModelProposer
@@ -54,7 +55,7 @@ from qwenserve.spec_decode.support import check_speculative, draft_tensor_parall
 from qwenserve.structured_output.request_grammars import RequestGrammars
 from qwenserve.structured_output.service import model_grammar_service
 from qwenserve.worker.caches import allocate_caches
-from qwenserve.worker.decode_replay import DECODE_REPLAY_BYTES, DecodeReplays
+from qwenserve.worker.decode_replay import DecodeReplays
 from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.model_runner import ModelRunner
 from qwenserve.worker.pooler import embedding_checkpoint_names

@@ -12,6 +12,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
+from qwenserve.options.compilation import DECODE_REPLAY_BYTES
 from qwenserve.tools.plan.quant import QuantChoice
 
 DEFAULT_BATCHED_TOKENS = 2048  # both servers' default (vLLM's for serve, and on Ascend)
@@ -67,6 +68,11 @@ def build_commands(c: CommandInputs) -> Commands:
     out = Commands(None, None)
     _qwenserve(c, list(flags), out)
     _vllm(c, list(flags), out)
+    if c.device_kind == "cpu" and out.qwenserve is not None:
+        out.notes.append(
+            f"on CPU qwenserve replays recorded decode steps of dense models; their buffers take "
+            f"up to {DECODE_REPLAY_BYTES >> 20} MiB of RAM beside the weights, the KV cache and "
+            "the activations (--enforce-eager: none)")
     if a.quantization in _CHECKPOINT_FORMATS and c.checkpoint.width is None:
         out.notes.append(
             f"{a.quantization} is planned for {_CHECKPOINT_FORMATS[a.quantization]}"
