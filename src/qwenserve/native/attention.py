@@ -17,7 +17,6 @@ from qwenserve.native.build import PTR as _P
 logger = init_logger(__name__)
 
 
-
 class DecodeAttention:
     """``csrc/decode_attention.cpp``: paged decode attention reading the cache in place, and
     (optionally) writing the step's new K and V into their slots first."""

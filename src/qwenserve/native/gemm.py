@@ -16,6 +16,32 @@ from qwenserve.native.build import PTR as _P
 
 logger = init_logger(__name__)
 
+# what W8A8's scaled entry points take besides x and w: (scale, token_scale, int_bias, bias)
+# as contiguous tensors (None: absent), or None where one does not match the call
+_Epilogue = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _w8a8_epilogue(m: int, n: int, scale: torch.Tensor, token_scale: torch.Tensor | None,
+                   int_bias: torch.Tensor | None, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> _Epilogue | None:
+    """The scaling operands of an [m, n] W8A8 GEMM (``int32_epilogue``'s, plus a layer's float
+    bias in out_dtype), checked and made contiguous for a native epilogue; None for what the
+    kernels do not take (the caller then scales the int32 sums itself)."""
+    if (out_dtype not in (torch.float32, torch.bfloat16)
+            or scale.dtype != torch.float32 or scale.numel() != n
+            or (token_scale is not None and (token_scale.dtype != torch.float32
+                                             or token_scale.numel() != m))
+            or (int_bias is not None and (int_bias.dtype != torch.int32
+                                          or int_bias.numel() != n))
+            or (bias is not None and (bias.dtype != out_dtype or bias.numel() != n))):
+        return None
+    return (scale.contiguous(), None if token_scale is None else token_scale.contiguous(),
+            None if int_bias is None else int_bias.contiguous(),
+            None if bias is None else bias.contiguous())
+
+
+def _pointers(tensors: _Epilogue) -> list[int | None]:
+    return [None if t is None else t.data_ptr() for t in tensors]
 
 
 class Gemv:
@@ -69,8 +95,6 @@ class Gemv:
             raise ValueError(f"gemv: unsupported shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
         return out.view(*x.shape[:-1], n)
 
-    SCALED_DTYPES = (torch.float32, torch.bfloat16)
-
     def int8_scaled(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                     token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
                     out_dtype: torch.dtype, bias: torch.Tensor | None = None
@@ -81,30 +105,18 @@ class Gemv:
         layer's float bias) -> [M, N]. None for an out_dtype or scales it does not take (the
         caller then scales the int32 sums itself)."""
         m, n = a_q.shape[0], w_q.shape[0]
-        if (out_dtype not in self.SCALED_DTYPES or a_q.dim() != 2
-                or (bias is not None and (bias.dtype != out_dtype or bias.numel() != n))
-                or scale.dtype != torch.float32 or scale.numel() != n
-                or (token_scale is not None and (token_scale.dtype != torch.float32
-                                                 or token_scale.numel() != m))
-                or (int_bias is not None and (int_bias.dtype != torch.int32
-                                              or int_bias.numel() != n))):
+        epilogue = _w8a8_epilogue(m, n, scale, token_scale, int_bias, bias, out_dtype)
+        if a_q.dim() != 2 or epilogue is None:
             return None
-        a_q, scale = a_q.contiguous(), scale.contiguous()
-        token_scale = None if token_scale is None else token_scale.contiguous()
-        int_bias = None if int_bias is None else int_bias.contiguous()
-        bias = None if bias is None else bias.contiguous()
+        a_q = a_q.contiguous()
         out = torch.empty(m, n, dtype=out_dtype)
         status = self._s8_scaled(out.data_ptr(), a_q.data_ptr(), w_q.data_ptr(),
-                                 scale.data_ptr(),
-                                 None if token_scale is None else token_scale.data_ptr(),
-                                 None if int_bias is None else int_bias.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), m, n,
-                                 a_q.shape[1], int(out_dtype == torch.bfloat16))
+                                 *_pointers(epilogue), m, n, a_q.shape[1],
+                                 int(out_dtype == torch.bfloat16))
         if status:
             raise ValueError(f"gemv: unsupported shapes x {tuple(a_q.shape)}, "
                              f"w {tuple(w_q.shape)}")
         return out
-
 
 def gemv() -> Gemv | None:
     """The skinny-GEMM kernel, or None (logged) where it cannot be built."""
@@ -230,8 +242,6 @@ class Igemm:
     batches, reading the [N, K] int8 weight in place: ``int32_epilogue``'s values (and a layer's
     float bias after them), as ``Gemv.int8_scaled`` gives for a row or two."""
 
-    SCALED_DTYPES = (torch.float32, torch.bfloat16)
-
     def __init__(self, fn: ctypes._CFuncPtr) -> None:
         self._fn = fn
         self._fn.argtypes = [_P] * 7 + [_I] * 4 + [ctypes.c_int]
@@ -244,31 +254,20 @@ class Igemm:
         float32, int_bias [N] int32, bias [N] in out_dtype -> [M, N] in out_dtype; None for
         what it does not take (K not a multiple of 64, N of 32, other dtypes)."""
         m, (n, k) = a_q.shape[0], w_q.shape
-        if (out_dtype not in self.SCALED_DTYPES or a_q.dim() != 2 or a_q.dtype != torch.int8
-                or w_q.dtype != torch.int8 or not w_q.is_contiguous() or a_q.shape[1] != k
-                or k % 64 or n % 32 or a_q.stride(1) != 1
-                or scale.dtype != torch.float32 or scale.numel() != n
-                or (token_scale is not None and (token_scale.dtype != torch.float32
-                                                 or token_scale.numel() != m))
-                or (int_bias is not None and (int_bias.dtype != torch.int32
-                                              or int_bias.numel() != n))
-                or (bias is not None and (bias.dtype != out_dtype or bias.numel() != n))):
+        if (a_q.dim() != 2 or a_q.dtype != torch.int8 or w_q.dtype != torch.int8
+                or not w_q.is_contiguous() or a_q.shape[1] != k or k % 64 or n % 32
+                or a_q.stride(1) != 1):
             return None
-        scale = scale.contiguous()
-        token_scale = None if token_scale is None else token_scale.contiguous()
-        int_bias = None if int_bias is None else int_bias.contiguous()
-        bias = None if bias is None else bias.contiguous()
+        epilogue = _w8a8_epilogue(m, n, scale, token_scale, int_bias, bias, out_dtype)
+        if epilogue is None:
+            return None
         out = torch.empty(m, n, dtype=out_dtype)
-        status = self._fn(out.data_ptr(), a_q.data_ptr(), w_q.data_ptr(), scale.data_ptr(),
-                          None if token_scale is None else token_scale.data_ptr(),
-                          None if int_bias is None else int_bias.data_ptr(),
-                          None if bias is None else bias.data_ptr(), m, n, k, a_q.stride(0),
-                          int(out_dtype == torch.bfloat16))
+        status = self._fn(out.data_ptr(), a_q.data_ptr(), w_q.data_ptr(), *_pointers(epilogue),
+                          m, n, k, a_q.stride(0), int(out_dtype == torch.bfloat16))
         if status:
             raise ValueError(f"igemm_s8_scaled: status {status} for x {tuple(a_q.shape)}, "
                              f"w {tuple(w_q.shape)} (2: no AMX-INT8, 3: out of memory)")
         return out
-
 
 @functools.cache
 def igemm() -> Igemm | None:

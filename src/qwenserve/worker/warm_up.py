@@ -34,9 +34,8 @@ def warm_up_rows(platform: Platform, dtype: torch.dtype, int8: bool = False) -> 
         plain = [platform.bf16_skinny_gemm_max_rows, platform.amx_gemm_max_rows]
     else:
         plain = [platform.skinny_gemm_max_rows]
-    int8_rows = platform.int8_skinny_max_rows() if int8 else EVERY_ROW
-    if int8_rows != EVERY_ROW:  # a W8A8 model (on AVX2 the native kernel takes every row)
-        plain += [int8_rows, platform.amx_int8_max_rows]
+    if int8 and platform.int8_skinny_max_rows() != EVERY_ROW:  # (AVX2: native at every row)
+        plain += [platform.int8_skinny_max_rows(), platform.amx_int8_max_rows]
     return max(plain) + 1
 
 

@@ -131,11 +131,11 @@ class Worker:
             self.mtp_head = self._load_mtp_head()
         if self.eagle3 is not None:
             self.mtp_head = self._load_eagle3_head()
+        rows = warm_up_rows(self.platform, self.dtype,
+                            int8=self.config.model.quantization is not None)  # W8A8's windows
         for model in (self._model, self.draft_model):
             if model is not None:  # packing and the like now, not in the first step
-                int8 = self.config.model.quantization is not None  # W8A8's windows count
-                warm_up_gemms(model, self.dtype, self.device,
-                              warm_up_rows(self.platform, self.dtype, int8))
+                warm_up_gemms(model, self.dtype, self.device, rows)
         self.load_s = time.perf_counter() - start
 
     @property
