@@ -74,8 +74,7 @@ class CompilationConfig:
         ``cudagraph_mode`` NONE)."""
         if enforce_eager or self.given.get("cudagraph_mode") == "NONE":
             return 0
-        return max(0, self.given.get("max_cudagraph_capture_size",
-                                     DEFAULT_DECODE_REPLAY_MAX_BATCH))
+        return self.given.get("max_cudagraph_capture_size", DEFAULT_DECODE_REPLAY_MAX_BATCH)
 
     def startup_notes(self, platform_name: str) -> list[str]:
         """One line per given key: what it does here (the keys that act on CPU), or what it
@@ -169,4 +168,6 @@ def _check(key: str, value: Any, kind: str) -> Any:
     expected = {"int": int, "bool": bool, "str": str, "list": list, "dict": dict}[kind]
     if not isinstance(value, expected) or (kind == "int" and isinstance(value, bool)):
         raise ValueError(bad + f"must be a {expected.__name__}")
+    if kind == "int" and value < 0:  # a batch size or a count (0: none)
+        raise ValueError(bad + "must be 0 or more")
     return value

@@ -49,6 +49,7 @@ def test_compilation_config_json_dotted_and_mode():
     assert "unknown key 'cudagraph_modes'" in refusal(["-cc", '{"cudagraph_modes": "FULL"}'])
     assert "not a cudagraph mode" in refusal(["-cc", '{"cudagraph_mode": "HALF"}'])
     assert "positive integers" in refusal(["-cc", '{"cudagraph_capture_sizes": [0]}'])
+    assert "must be 0 or more" in refusal(["-cc", '{"max_cudagraph_capture_size": -1}'])
 
 
 def test_startup_notes_name_each_key_and_say_why(caplog):
