@@ -44,12 +44,12 @@ def instrument(backend_cls: type) -> None:
     """Label the regions above (class attributes, so every layer's instance is covered)."""
     from qwenserve.layers import attention
     from qwenserve.layers.recurrent import gated_norm
-    from qwenserve.models import dense, qwen3_5
+    from qwenserve.models import dense
     from qwenserve.worker import model_runner
 
     backend_cls.gated_delta_rule = _label(backend_cls.gated_delta_rule, LABELS[0])
     backend_cls.causal_conv1d = _label(backend_cls.causal_conv1d, LABELS[1])
-    qwen3_5.gdn_gating = _label(qwen3_5.gdn_gating, LABELS[2])
+    backend_cls.gating = _label(backend_cls.gating, LABELS[2])
     gated_norm.RMSNormGated.forward = _label(gated_norm.RMSNormGated.forward, LABELS[3])
     backend_cls.build_metadata = _label(backend_cls.build_metadata, LABELS[4])
     for name in attention._BACKENDS:
@@ -135,8 +135,9 @@ def main() -> None:
     instrument(type(recurrent.get_recurrent_backend(name)))
     from qwenserve import LLM
 
+    # eager steps: a replayed decode step runs none of the labelled modules
     llm = LLM(shaped_model("qwen3.5-0.8b"), dtype=args.dtype, max_model_len=1024,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enforce_eager=True)
     engine = llm.llm_engine
     prompts = workload(argparse.Namespace(num_prompts=NUM_REQUESTS, input_len=PROMPT_LEN))
     # prefill-heavy: one step of 8 prompts x 256 tokens (2,048 tokens, the default step budget);

@@ -77,7 +77,6 @@ def instrument() -> None:
     # Gated DeltaNet: the layer's glue (splits, reshapes) is its own label's time
     _wrap(qwen3_5.GatedDeltaNet, "forward", "gdn: glue")
     _wrap(qwen3_5_layers.GDNInProj, "forward", "gdn: in_proj")
-    qwen3_5.gdn_gating = _label(qwen3_5.gdn_gating, "gdn: gating")
     _wrap(gated_norm.RMSNormGated, "forward", "gdn: gated rmsnorm")
     from qwenserve.layers import recurrent
 
@@ -85,6 +84,7 @@ def instrument() -> None:
         cls = type(recurrent.get_recurrent_backend(name))
         _wrap(cls, "gated_delta_rule", "gdn: delta-rule core")
         _wrap(cls, "causal_conv1d", "gdn: conv1d")
+        _wrap(cls, "gating", "gdn: gating")
     _wrap(rec_base.RecurrentBackend, "build_metadata", "gdn: metadata")
     init = qwen3_5.GatedDeltaNet.__init__
 
@@ -186,6 +186,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64, help="decode phase: its batch")
     p.add_argument("--prompt-len", type=int, default=256, help="decode phase's prompts")
     p.add_argument("--output-len", type=int, default=16, help="decode phase's outputs")
+    p.add_argument("--replay", action="store_true",
+                   help="replay recorded decode steps (their time is then one unlabelled block)")
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled of each kind")
     args = p.parse_args()
 
@@ -198,8 +200,9 @@ def main() -> None:
     instrument()
     from qwenserve import LLM
 
+    # eager steps: the labels are per module, and a replayed decode step runs none of them
     llm = LLM(args.model or shaped_model(args.shape), dtype=args.dtype, max_model_len=1024,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enforce_eager=not args.replay)
     engine = llm.llm_engine
     vocab = engine.config.model.hf_config.vocab_size
     prompts = [[t % vocab for t in p] for p in workload(

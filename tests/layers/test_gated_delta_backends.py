@@ -387,3 +387,28 @@ def test_gated_rms_norm_matches_the_reference(backend, dtype, head_dim) -> None:
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out, rms_norm_gated(x, gate, weight, 1e-6), equal_nan=True, **tol)
     assert out.shape == x.shape and out.dtype == dtype and out[1, 0].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gating_matches_the_reference(backend, dtype) -> None:
+    """g = -exp(A_log) * softplus(a + dt_bias) (past softplus's threshold too) and beta =
+    sigmoid(b) with b's rounding, read from strided column blocks of a projection as the model
+    passes them; beta comes back in float32 from every backend (the kernels read it so)."""
+    from qwenserve.layers.recurrent import gdn_gating
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads = 37, 6
+    proj = (torch.randn(tokens, 3 * heads + 5, generator=gen) * 8).to(dtype)  # [T, ... | b | a]
+    proj[0, 5 + heads] = 30.0  # a + dt_bias past softplus's threshold of 20
+    b, a = proj[:, 5:5 + heads], proj[:, 5 + heads:5 + 2 * heads]
+    A_log, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+    if backend.name == "fused" and fused_module.native_ops() is not None:
+        assert fused_module.native_ops().supports_gating(a, b, A_log, dt_bias)
+    g, beta = backend.gating(a, b, A_log, dt_bias)
+    g_ref, beta_ref = gdn_gating(a, b, A_log, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (tokens, heads)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)
+    # rounded as b.sigmoid() rounds (sigmoid itself to ~1 ulp of expf: one bf16 ulp at most)
+    assert torch.equal(beta, beta.to(dtype).float())
+    rtol = 2.0**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(beta, beta_ref.float(), rtol=rtol, atol=0.0)

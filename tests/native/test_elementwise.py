@@ -1,6 +1,6 @@
 """The fused elementwise kernels (native/csrc/elementwise.cpp) against the layers' PyTorch
 reference: RMSNorm with and without the residual add (plain and zero-centred), SiLU-and-mul,
-rotary and per-token int8 quantization (and the W8A8 MLP's fused middle against those kernels in
+the sigmoid output gate, rotary and per-token int8 quantization (and the W8A8 MLP's fused middle against those kernels in
 turn), in fp32 and bf16, at odd sizes and on strided views as the model hands them over."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from qwenserve.layers.activation import silu_and_mul
+from qwenserve.layers.activation import sigmoid_gate, silu_and_mul
 from qwenserve.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from qwenserve.layers.rotary import RotaryEmbedding
 from qwenserve.native.elementwise import elementwise
@@ -77,6 +77,26 @@ def test_silu_and_mul_matches_the_reference(dtype, rows, inter):
     _assert_close(silu_and_mul(x, KERNELS), silu_and_mul(x.clone()))
     strided = torch.randn(rows, 2 * inter + 5, generator=gen).to(dtype)[:, 3 : 3 + 2 * inter]
     _assert_close(silu_and_mul(strided, KERNELS), silu_and_mul(strided.clone()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 5), (3, 2, 16), (64, 8, 256)])
+def test_sigmoid_gate_reads_the_strided_gate_in_place(dtype, tokens, heads, head_dim):
+    """Qwen3.5's gated attention: q and its gate interleave per head in one projection, so the
+    gate arrives as a strided view; out = x * sigmoid(gate) with the reference's roundings
+    (sigmoid to ~1 ulp of expf: at most one bf16 ulp apart), gates past exp's range and NaN."""
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    qg = torch.randn(tokens, heads, 2 * head_dim, generator=gen) * 4  # [T, H, q | gate]
+    qg[0, 0, head_dim:head_dim + 3] = torch.tensor([100.0, -100.0, float("nan")])[:head_dim]
+    qg = qg.to(dtype)
+    gate = qg[..., head_dim:]
+    x = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    want = sigmoid_gate(x, gate)
+    got = sigmoid_gate(x, gate, KERNELS)
+    assert got.shape == (tokens, heads * head_dim) and got.is_contiguous()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    _assert_close(got.masked_fill(nan, 0), want.masked_fill(nan, 0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

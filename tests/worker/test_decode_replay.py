@@ -36,10 +36,11 @@ def replays(llm: LLM):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "qwen3_5"])
 def test_replayed_steps_give_the_eager_tokens_and_logprobs(tiny_model, arch, dtype):
     """Bit for bit: the replay makes the eager step's kernel calls. With four, then one, then
-    three sequences (the batch shrinks as requests finish at different lengths)."""
+    three sequences (the batch shrinks as requests finish at different lengths). Qwen3.5: its
+    Gated DeltaNet layers advance each sequence's recurrent state in place, replayed or not."""
     path = tiny_model(arch)
     kw = dict(dtype=dtype, max_model_len=256, kv_cache_memory_bytes=16 << 20)
     eager, replayed = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
@@ -105,6 +106,24 @@ def test_a_step_that_computes_in_pytorch_is_not_replayed(tiny_model, monkeypatch
 
 
 @needs_native
+def test_a_hybrid_replay_that_stops_midway_fails_the_step(tiny_model, monkeypatch):
+    """A dense step that a kernel refuses midway runs again eagerly (it rewrites the same K/V);
+    a hybrid one cannot (the calls before the refusal advanced recurrent states in place), so
+    the step fails with an error naming the kernel instead of advancing them twice."""
+    from qwenserve.worker import decode_replay
+
+    llm = LLM(tiny_model("qwen3_5"), dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=16 << 20)
+    generate(llm, PROMPTS[:2], 8)
+    assert 2 in replays(llm)._recordings
+    monkeypatch.setattr(decode_replay, "replay", lambda calls: 3)
+    with pytest.raises(RuntimeError, match=r"stopped at native call 3 \(.*recurrent state"):
+        generate(llm, PROMPTS[:2], 8)
+    assert 2 not in replays(llm)._recordings
+    llm.llm_engine.shutdown()
+
+
+@needs_native
 def test_vllm_options_switch_it_off_or_bound_it(tiny_model):
     path = tiny_model("qwen2")
     kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
@@ -141,9 +160,9 @@ def test_replay_stops_where_a_kernel_refuses_the_new_data():
     positions = torch.tensor([3])
     with record_calls() as calls:
         kernels.rotary(positions, q, k, cos, sin, 8)
-    assert len(calls) == 1 and replay(calls)
+    assert len(calls) == 1 and replay(calls) is None
     positions.fill_(9)
-    assert not replay(calls)
+    assert replay(calls) == 0
     with pytest.raises(IndexError, match="outside the table"):
         kernels.rotary(positions, q, k, cos, sin, 8)
 

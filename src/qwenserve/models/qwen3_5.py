@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from qwenserve.core.cache.spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+from qwenserve.layers.activation import sigmoid_gate
 from qwenserve.layers.caches import ModelCaches, RecurrentState
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from qwenserve.layers.moe import MoEBlock, is_moe_layer
 from qwenserve.layers.norm import ZeroCenteredRMSNorm
-from qwenserve.layers.recurrent import RMSNormGated, gdn_gating
+from qwenserve.layers.recurrent import RMSNormGated
 from qwenserve.layers.rotary import RotaryEmbedding
 from qwenserve.logger import init_logger
 from qwenserve.models.base import STACKED_PARAMS, ModelContext, kv_heads_per_rank
@@ -79,7 +80,7 @@ class GatedAttention(nn.Module):
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
             bias=bool(getattr(cfg, "attention_bias", False)), dtype=ctx.dtype, tp=ctx.tp,
             quant_method=ctx.linear_method(f"{prefix}.o_proj"))
-        fused = ctx.backends.elementwise
+        fused = self.elementwise = ctx.backends.elementwise
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype, fused)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.dtype, fused)
         self.backend = ctx.backends.attention
@@ -90,13 +91,13 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(x).split(
             [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         qg = qg.view(n, self.num_heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(n, self.num_heads * d)
-        q = self.q_norm(q.contiguous())
+        q, gate = qg[..., :d], qg[..., d:]  # strided views of the projection: no copies
+        q = self.q_norm(q)
         k = self.k_norm(k.reshape(n, self.num_kv_heads, d))
         q, k = rotary(positions, q, k)
         v = v.reshape(n, self.num_kv_heads, d)
         o = self.backend.forward(q, k, v, kv_cache, batch.attn, d**-0.5)
-        return self.o_proj(o.reshape(n, self.num_heads * d) * torch.sigmoid(gate))
+        return self.o_proj(sigmoid_gate(o.view(n, self.num_heads, d), gate, self.elementwise))
 
 
 class GatedDeltaNet(nn.Module):
@@ -130,7 +131,7 @@ class GatedDeltaNet(nn.Module):
         mixed = self.backend.causal_conv1d(mixed, self.conv1d.weight, None, conv_state, batch.state)
         kd = self.num_k_heads * self.dk
         q, k, v = mixed.split([kd, kd, self.num_v_heads * self.dv], dim=-1)
-        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        g, beta = self.backend.gating(a, b, self.A_log, self.dt_bias)
         o = self.backend.gated_delta_rule(
             q.reshape(n, self.num_k_heads, self.dk), k.reshape(n, self.num_k_heads, self.dk),
             v.reshape(n, self.num_v_heads, self.dv), g, beta, ssm_state, batch.state)

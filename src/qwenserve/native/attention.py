@@ -52,8 +52,13 @@ class DecodeAttention:
         return bool(self._use_wide_f32(int(on)))
 
     def supports(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        return (q.dtype in self._fns and kv_cache.dtype == q.dtype and q.device.type == "cpu"
-                and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0)
+        return (kv_cache.dtype == q.dtype and q.device.type == "cpu"
+                and self.supports_cache(kv_cache))
+
+    def supports_cache(self, kv_cache: torch.Tensor) -> bool:
+        """Whether the kernel decodes from this cache (its queries in the cache's dtype)."""
+        return (kv_cache.dtype in self._fns and kv_cache.device.type == "cpu"
+                and kv_cache.is_contiguous() and kv_cache.shape[-1] % 8 == 0)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  ctx_lens: torch.Tensor, block_size: int, scale: float,

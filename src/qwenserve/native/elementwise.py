@@ -25,7 +25,7 @@ class Elementwise:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._norm, self._act, self._rot, self._quant, self._scale = {}, {}, {}, {}, {}
-        self._act_quant = {}
+        self._act_quant, self._gate = {}, {}
         for dtype, tag in self.DTYPES.items():
             fn = getattr(lib, f"rms_norm_{tag}")
             fn.argtypes = [_P] * 5 + [_I] * 7 + [_F, ctypes.c_int]
@@ -51,6 +51,10 @@ class Elementwise:
             fn.argtypes = [_P, _P, _P, _P, _I, _I]
             fn.restype = None
             self._act_quant[dtype] = fn
+            fn = getattr(lib, f"sigmoid_gate_{tag}")
+            fn.argtypes = [_P] * 3 + [_I] * 7
+            fn.restype = None
+            self._gate[dtype] = fn
 
     def supports(self, x: torch.Tensor) -> bool:
         # called per layer and op: is_cpu, not x.device (which builds a device object)
@@ -108,6 +112,18 @@ class Elementwise:
         out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
         self._act[x.dtype](out.data_ptr(), flat.data_ptr(), flat.shape[0], inter,
                            flat.stride(0))
+        return out
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [T, H, D] of one dtype (heads at any strides, each head's D values
+        contiguous) -> x * sigmoid(gate) as a new contiguous [T, H * D]."""
+        assert x.shape == gate.shape and x.dim() == 3 and x.dtype == gate.dtype
+        if x.stride(-1) != 1 or gate.stride(-1) != 1:
+            raise ValueError("sigmoid_gate: each head's values must be contiguous")
+        tokens, heads, d = x.shape
+        out = torch.empty(tokens, heads * d, dtype=x.dtype)
+        self._gate[x.dtype](out.data_ptr(), x.data_ptr(), gate.data_ptr(), tokens, heads, d,
+                            x.stride(0), x.stride(1), gate.stride(0), gate.stride(1))
         return out
 
     def quantize_per_token(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

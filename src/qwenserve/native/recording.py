@@ -59,10 +59,10 @@ def record_calls() -> Iterator[list[NativeCall]]:
         _active.clear()
 
 
-def replay(calls: list[NativeCall]) -> bool:
-    """Make ``calls`` again in order; False (and stop) at the first whose status differs from
-    the recorded one (a kernel refusing this step's data: the caller runs it eagerly)."""
-    for call in calls:
+def replay(calls: list[NativeCall]) -> int | None:
+    """Make ``calls`` again in order; stop at the first whose status differs from the recorded
+    one (a kernel refusing this step's data) and return its index, else None."""
+    for i, call in enumerate(calls):
         if _base_call(call.fn, *call.args) != call.result:
-            return False
-    return True
+            return i
+    return None

@@ -14,10 +14,16 @@ Emerald Rapids Xeon (docs/benchmarks.md). It is what vLLM does with CUDA graphs 
 A recording is only kept when it is complete: under a ``TorchDispatchMode`` every PyTorch op of
 the step must be an allocation or a view (anything that computes would not be replayed), and
 the tensors it allocated are kept alive for the replays. Models whose decode runs PyTorch ops
-(hybrid state updates, MoE routing, tensor parallelism) simply keep running eagerly. What the
-check cannot see, and the layers must keep true: a scalar a kernel is called with depends on the
-batch size only (shapes, the block size), never on a step's data - per-step values travel in
-the buffers (positions, slots, context lengths, block tables).
+(MoE routing, tensor parallelism) simply keep running eagerly. What the check cannot see, and
+the layers must keep true: a scalar a kernel is called with depends on the batch size only
+(shapes, the block size), never on a step's data - per-step values travel in the buffers
+(positions, slots, context lengths, block tables).
+
+Hybrid models (Qwen3.5, Qwen3-Next) replay too: their Gated DeltaNet layers are native kernels
+on the CPU backend, and their metadata has buffers of its own (``RecurrentBackend.
+replay_metadata``). Their decode updates each sequence's recurrent state in place, so a step
+that stopped midway cannot be run again: where a replay or a recording of such a step fails
+after it began, the step fails (an error naming the kernel), rather than advancing a state twice.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qwenserve.layers.attention.base import AttentionBackend, AttentionMetadata
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
+from qwenserve.layers.recurrent import GDNMetadata, RecurrentBackend
 from qwenserve.logger import init_logger
 from qwenserve.models.dense import DecoderModel, DenseForCausalLM
 from qwenserve.native.recording import NativeCall, record_calls, replay
@@ -45,7 +52,7 @@ _NO_COMPUTE = frozenset({
     "aten._reshape_alias.default", "aten.split_with_sizes.default", "aten.split.Tensor",
     "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten.as_strided.default",
     "aten.unsqueeze.default", "aten.squeeze.dim", "aten.t.default", "aten.detach.default",
-    "aten.expand.default", "aten.permute.default", "aten.transpose.int",
+    "aten.expand.default", "aten.permute.default", "aten.transpose.int", "aten.view.dtype",
 })
 _ALLOCATING = frozenset({"aten.empty.memory_format", "aten.empty_like.default",
                          "aten.empty_strided.default"})
@@ -85,6 +92,7 @@ class _Recording:
     embeddings: torch.Tensor  # [n, hidden]
     positions: torch.Tensor  # [n]
     attn: AttentionMetadata
+    state: GDNMetadata | None  # a hybrid model's recurrent-layer metadata
     calls: list[NativeCall]
     hidden: torch.Tensor  # [n, hidden], written by the calls
     buffers: list[torch.Tensor]  # every tensor the step allocated (the calls' pointers)
@@ -95,9 +103,11 @@ class DecodeReplays:
     """Recorded decode steps by batch size, least recently used dropped past ``max_bytes``."""
 
     def __init__(self, model: DenseForCausalLM, attn_backend: AttentionBackend,
-                 max_blocks_per_seq: int, max_batch: int, max_bytes: int) -> None:
+                 recurrent_backend: RecurrentBackend, max_blocks_per_seq: int, max_batch: int,
+                 max_bytes: int) -> None:
         self.decoder: DecoderModel = model.model
         self.attn_backend = attn_backend
+        self.recurrent_backend = recurrent_backend
         self.width = max_blocks_per_seq
         self.max_batch = max_batch
         self.max_bytes = max_bytes
@@ -119,41 +129,72 @@ class DecodeReplays:
         """The step's hidden states [n, hidden] from a replay or a new recording; None where
         the step is not one to record (the caller runs it eagerly)."""
         n = batch.input_ids.shape[0]
-        if (batch.state is not None or batch.mm is not None or n > self.max_batch
-                or n in self._refused or self.decoder.aux_layer_ids
-                or getattr(batch.attn, "num_decodes", 0) != n):
+        if (batch.mm is not None or n > self.max_batch or n in self._refused
+                or self.decoder.aux_layer_ids or getattr(batch.attn, "num_decodes", 0) != n
+                or (batch.state is not None and batch.state.num_decodes != n)):
             self._last_size = 0
             return None
         recorded = self._recordings.get(n)
         if recorded is not None:
             self._recordings.move_to_end(n)
-            if self.attn_backend.refill(recorded.attn, batch.attn):
+            if self._refill(recorded, batch):
                 recorded.embeddings.copy_(self.decoder.embed_tokens(batch.input_ids))
                 recorded.positions.copy_(batch.positions)
-                if replay(recorded.calls):
+                stopped = replay(recorded.calls)
+                if stopped is None:
                     self.replayed_steps += 1
                     return recorded.hidden
                 # a kernel refused this step's data: drop the recording, run it eagerly
                 # (rewriting the same K/V the replay wrote before it stopped)
                 del self._recordings[n]
+                if recorded.state is not None:
+                    fn = recorded.calls[stopped].fn
+                    raise RuntimeError(
+                        f"a replayed decode step of {n} sequences stopped at native call "
+                        f"{stopped} ({getattr(fn, '__name__', fn)}), which refused this step's "
+                        f"data; the recurrent state the calls before it advanced cannot be "
+                        f"advanced again, so the step fails (--enforce-eager runs every step "
+                        f"eagerly)")
             return None
         seen_before, self._last_size = self._last_size == n, n
         return self._record(n, batch, caches) if seen_before else None
 
+    def _refill(self, recorded: _Recording, batch: ForwardBatch) -> bool:
+        """This step's metadata into the recording's buffers; False where it does not fit."""
+        if not self.attn_backend.refill(recorded.attn, batch.attn):
+            return False
+        if recorded.state is None or batch.state is None:
+            return recorded.state is None and batch.state is None
+        return self.recurrent_backend.refill(recorded.state, batch.state)
+
     def _record(self, n: int, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor | None:
-        attn = self.attn_backend.replay_metadata(batch.attn, self.width)
+        kv_cache = next(iter(caches.kv.values()), None)  # one dtype and layout for all layers
+        attn = None if kv_cache is None else self.attn_backend.replay_metadata(
+            batch.attn, self.width, kv_cache)
         if attn is None:
-            self._refuse(n, f"the {self.attn_backend.name} attention backend has no replay")
+            self._refuse(n, f"the {self.attn_backend.name} attention backend does not replay "
+                            f"decodes of this KV cache")
             return None
+        state = None
+        if batch.state is not None:
+            state = self.recurrent_backend.replay_metadata(batch.state)
+            if state is None:
+                self._refuse(n, f"the {self.recurrent_backend.name} recurrent backend has no "
+                                f"replay")
+                return None
         embeddings = self.decoder.embed_tokens(batch.input_ids).clone()
         positions = batch.positions.clone()
-        inputs = dataclasses.replace(batch, positions=positions, attn=attn)
+        inputs = dataclasses.replace(batch, positions=positions, attn=attn, state=state)
         allocations = _Allocations()
         try:
             with record_calls() as calls, allocations:
                 hidden = self.decoder.run_layers(embeddings, positions, inputs, caches)
-        except Exception as e:  # noqa: BLE001 - e.g. a PyTorch path reading metadata it lacks
-            # the eager run that follows rewrites whatever K/V this one wrote, to the same values
+        except Exception as e:
+            if state is not None:  # its layers before the error advanced the recurrent state
+                self._refuse(n, f"{type(e).__name__}: {e}")
+                raise
+            # e.g. a PyTorch path reading metadata it lacks: the eager run that follows
+            # rewrites whatever K/V this one wrote, to the same values
             self._refuse(n, f"{type(e).__name__}: {e}")
             return None
         if allocations.computing:
@@ -164,7 +205,7 @@ class DecodeReplays:
         if nbytes > self.max_bytes:
             self._refuse(n, f"its buffers ({nbytes >> 20} MiB) pass the recordings' budget")
             return hidden
-        self._recordings[n] = _Recording(embeddings, positions, attn, calls, hidden,
+        self._recordings[n] = _Recording(embeddings, positions, attn, state, calls, hidden,
                                          allocations.tensors, nbytes)
         # once at INFO (operators see that it acts and how to turn it off), then at DEBUG
         (logger.debug if self._logged else logger.info)(

@@ -314,8 +314,8 @@ class Worker:
                 or self.config.pooler is not None or not DecodeReplays.applies_to(self.model)):
             return None
         width = -(-self.config.scheduler.max_model_len // plan.block_size)
-        return DecodeReplays(self.model, self.backends.attention, width, max_batch,
-                             DECODE_REPLAY_BYTES)
+        return DecodeReplays(self.model, self.backends.attention, self.backends.recurrent, width,
+                             max_batch, DECODE_REPLAY_BYTES)
 
     @property
     def has_state(self) -> bool:

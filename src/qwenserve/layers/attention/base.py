@@ -50,11 +50,13 @@ class AttentionBackend(ABC):
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, num_kv_slots, Hkv, D] -> out [T, Hq, D]."""
 
-    def replay_metadata(self, meta: AttentionMetadata, width: int) -> AttentionMetadata | None:
+    def replay_metadata(self, meta: AttentionMetadata, width: int,
+                        kv_cache: torch.Tensor) -> AttentionMetadata | None:
         """For a decode-only step's ``meta``: the same metadata in buffers of its own, block
         tables ``width`` blocks wide, that ``refill`` loads any later decode-only step of as
         many sequences into (a recorded step reads its inputs there: worker/decode_replay.py).
-        None where this backend's decode is not native calls on such buffers (the default)."""
+        None where this backend's decode of ``kv_cache`` (a layer's) is not native calls on
+        such buffers (the default)."""
         return None
 
     def refill(self, static: AttentionMetadata, meta: AttentionMetadata) -> bool:

@@ -51,9 +51,10 @@ class CpuNativeBackend(TorchRefBackend):
                                 meta.block_size, scale, (k, v, meta.slot_mapping))
         return super().forward(q, k, v, kv_cache, meta, scale)
 
-    def replay_metadata(self, meta: CpuNativeMetadata, width: int) -> CpuNativeMetadata | None:
-        if (self.kernels is None or meta.prefills or not meta.num_decodes
-                or meta.decode_blocks.shape[1] > width):
+    def replay_metadata(self, meta: CpuNativeMetadata, width: int,
+                        kv_cache: torch.Tensor) -> CpuNativeMetadata | None:
+        if (self.kernels is None or not self.kernels.supports_cache(kv_cache) or meta.prefills
+                or not meta.num_decodes or meta.decode_blocks.shape[1] > width):
             return None
         blocks = torch.zeros(meta.num_decodes, width, dtype=torch.long)
         blocks[:, : meta.decode_blocks.shape[1]] = meta.decode_blocks

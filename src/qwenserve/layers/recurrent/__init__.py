@@ -11,11 +11,11 @@ from qwenserve.layers.recurrent.base import (
 )
 from qwenserve.layers.recurrent.fused import FusedRecurrentBackend
 from qwenserve.layers.recurrent.gated_norm import RMSNormGated, rms_norm_gated
+from qwenserve.layers.recurrent.gating import gdn_gating
 from qwenserve.layers.recurrent.torch_ref import (
     TorchRefRecurrentBackend,
     causal_conv1d_varlen,
     gated_delta_net_forward,
-    gdn_gating,
 )
 
 _BACKENDS: dict[str, type[RecurrentBackend]] = {

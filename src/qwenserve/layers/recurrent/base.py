@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from qwenserve.layers.recurrent.gated_norm import rms_norm_gated
+from qwenserve.layers.recurrent.gating import gdn_gating
 
 DEFAULT_CHUNK_SIZE = 64  # HF and fla (Triton) use 64
 
@@ -76,6 +77,16 @@ class GDNMetadata:
     @property
     def num_prefills(self) -> int:
         return self.prefill_slots.numel()
+
+
+# the per-step tensors of GDNMetadata (the rest are Python values fixed by the step's layout)
+_TENSOR_FIELDS = tuple(f.name for f in fields(GDNMetadata) if f.type == "torch.Tensor")
+
+
+def static_copy(meta: GDNMetadata) -> GDNMetadata:
+    """``meta`` with every tensor in a buffer of its own (a recorded step's metadata)."""
+    return GDNMetadata(**{f.name: getattr(meta, f.name).clone() if f.name in _TENSOR_FIELDS
+                          else getattr(meta, f.name) for f in fields(GDNMetadata)})
 
 
 def _host_list(values: Sequence[int] | Sequence[bool] | torch.Tensor) -> list:
@@ -176,6 +187,22 @@ class RecurrentBackend(ABC):
             query_start_loc, state_slots, has_initial_state, device, self.chunk_size
         )
 
+    def replay_metadata(self, meta: GDNMetadata) -> GDNMetadata | None:
+        """For a decode-only step's ``meta``: the same metadata in buffers of its own, that
+        ``refill`` loads any later decode-only step of as many sequences into (a recorded decode
+        step reads them there: worker/decode_replay.py). None where this backend's decode is not
+        native calls on such buffers (the default)."""
+        return None
+
+    def refill(self, static: GDNMetadata, meta: GDNMetadata) -> bool:
+        """Copy ``meta`` into ``static`` (``replay_metadata``'s); False where it does not fit
+        (another number of sequences, prefill rows)."""
+        if meta.num_prefills or static.num_prefills or meta.num_decodes != static.num_decodes:
+            return False
+        for field in _TENSOR_FIELDS:
+            getattr(static, field).copy_(getattr(meta, field))
+        return True
+
     @abstractmethod
     def causal_conv1d(
         self,
@@ -201,6 +228,15 @@ class RecurrentBackend(ABC):
     ) -> torch.Tensor:
         """q, k [num_tokens, Hk, Dk], v [num_tokens, Hv, Dv], g, beta [num_tokens, Hv] ->
         o [num_tokens, Hv, Dv] (q/k l2-normalised inside, q scaled by Dk**-0.5)."""
+
+    def gating(
+        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta) [num_tokens, Hv] float32 from the a/b projections [num_tokens, Hv] (may be
+        strided views): g the log decay, beta = sigmoid(b) with b's rounding (the kernels read
+        it in float32). The reference; a backend may fuse it."""
+        g, beta = gdn_gating(a, b, A_log, dt_bias)
+        return g, beta.float()
 
     def gated_rms_norm(
         self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float

@@ -1,6 +1,6 @@
 """The CPU Gated DeltaNet backend: fewer passes over memory than the reference, same maths.
 
-Four C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
+Five C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
 ``qwenserve.native``); the first three read and write the state pools in place:
 
 - Decode (one token per sequence): each state is updated in its pool slot, read once for both
@@ -15,6 +15,8 @@ Four C++ kernels (``csrc/gdn_cpu.cpp``, plain C++ loaded with ctypes through
   batched PyTorch op over the whole step.
 - Conv1d: the varlen depthwise conv straight from the conv-state pool, SiLU vectorised.
 - Gated RMSNorm (the layer's last op): one pass, reading the gate rows in place.
+- Gating (g and beta from the a/b projections): one pass instead of five PyTorch ops, so that
+  a decode step's Gated DeltaNet layer is native kernels only (``worker/decode_replay.py``).
 
 Without a C++ compiler (or with ``QWENSERVE_NATIVE=0``) every path runs the reference's PyTorch
 code, after one log line from ``qwenserve.native``; so does any input the kernels do not take
@@ -30,7 +32,7 @@ import os
 
 import torch
 
-from qwenserve.layers.recurrent.base import GDNMetadata, RecurrentBackend
+from qwenserve.layers.recurrent.base import GDNMetadata, RecurrentBackend, static_copy
 from qwenserve.layers.recurrent.delta_rule import prepare_qkv
 from qwenserve.layers.recurrent.torch_ref import (
     causal_conv1d_varlen,
@@ -65,6 +67,7 @@ class NativeGDN:
 
     CONV = {torch.float32: "gdn_conv_f32", torch.bfloat16: "gdn_conv_bf16"}
     GATED_NORM = {torch.float32: "gdn_gated_norm_f32", torch.bfloat16: "gdn_gated_norm_bf16"}
+    GATING = {torch.float32: "gdn_gating_f32", torch.bfloat16: "gdn_gating_bf16"}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._decode = lib.gdn_decode_f32
@@ -88,6 +91,12 @@ class NativeGDN:
             fn.argtypes = [_P] * 4 + [_I] * 7 + [ctypes.c_float]
             fn.restype = None
             self._gated_norm[dtype] = fn
+        self._gating = {}
+        for dtype, name in self.GATING.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [_P] * 4 + [_I] * 2 + [_P] * 2 + [_I] * 2
+            fn.restype = None
+            self._gating[dtype] = fn
         self.pool_codes = dict(_DTYPE_CODES)
         if lib.gdn_has_f16_pool():
             self.pool_codes[torch.float16] = _F16_POOL_CODE
@@ -103,7 +112,7 @@ class NativeGDN:
         """q/k [B, H, Dk], v [B, H, Dv], g/beta [B, H] fp32 (prepared); pool [S, H, Dk, Dv] fp32
         contiguous, updated in place at ``slots`` -> o [B, H, Dv] fp32."""
         q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        slots, init = slots.to(torch.int64).contiguous(), has_init.to(torch.uint8).contiguous()
+        slots, init = slots.to(torch.int64).contiguous(), _bytes(has_init)
         b, h, dk = q.shape
         assert pool.shape[1:] == (h, dk, v.shape[2]) and pool.is_contiguous()
         out = torch.empty_like(v)
@@ -128,7 +137,7 @@ class NativeGDN:
         q, k, v = heads_rows(q), heads_rows(k), heads_rows(v)
         g, beta = g.float().contiguous(), beta.float().contiguous()
         ints = [t.to(torch.int64).contiguous() for t in (meta.decode_tokens, meta.decode_slots)]
-        init = meta.decode_has_init.to(torch.uint8).contiguous()
+        init = _bytes(meta.decode_has_init)
         if self._decode_rows(
                 out.data_ptr(), pool.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                 q.stride(0), k.stride(0), v.stride(0), g.data_ptr(), beta.data_ptr(),
@@ -156,7 +165,7 @@ class NativeGDN:
         g, beta = g.float().contiguous(), beta.float().contiguous()
         ints = [t.to(torch.int64).contiguous() for t in
                 (meta.prefill_starts, meta.prefill_lens, meta.prefill_slots)]
-        init = meta.prefill_has_init.to(torch.uint8).contiguous()
+        init = _bytes(meta.prefill_has_init)
         args = _ChunkArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
                           v.stride(0), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
                           out.data_ptr(), *(t.data_ptr() for t in ints), init.data_ptr(),
@@ -179,7 +188,7 @@ class NativeGDN:
         bias_f = None if bias is None else bias.float().contiguous()
         qsl = meta.query_start_loc.to(torch.int64).contiguous()
         slots = meta.state_slots.to(torch.int64).contiguous()
-        init = meta.has_initial_state.to(torch.uint8).contiguous()
+        init = _bytes(meta.has_initial_state)
         out = torch.empty(x.shape, dtype=x.dtype)
         self._conv[x.dtype](out.data_ptr(), x.data_ptr(), x.stride(0), weight_t.data_ptr(),
                             None if bias_f is None else bias_f.data_ptr(), conv_state.data_ptr(),
@@ -187,6 +196,26 @@ class NativeGDN:
                             x.shape[1], weight_t.shape[0], int(silu))
         return out
 
+
+    def supports_gating(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                        dt_bias: torch.Tensor) -> bool:
+        return (a.dtype in self._gating and b.dtype == a.dtype and a.is_cpu and b.is_cpu
+                and a.dim() == b.dim() == 2 and a.shape == b.shape
+                and a.stride(1) == b.stride(1) == 1
+                and A_log.dtype == dt_bias.dtype == torch.float32
+                and A_log.is_contiguous() and dt_bias.is_contiguous()
+                and A_log.numel() == dt_bias.numel() == a.shape[1])
+
+    def gating(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``RecurrentBackend.gating``: a, b [T, H] rows read where they lie -> (g, beta)
+        [T, H] float32."""
+        g = torch.empty(a.shape, dtype=torch.float32)
+        beta = torch.empty(a.shape, dtype=torch.float32)
+        self._gating[a.dtype](g.data_ptr(), beta.data_ptr(), a.data_ptr(), b.data_ptr(),
+                              a.stride(0), b.stride(0), A_log.data_ptr(), dt_bias.data_ptr(),
+                              a.shape[0], a.shape[1])
+        return g, beta
 
     def supports_gated_norm(self, x: torch.Tensor, gate: torch.Tensor,
                             weight: torch.Tensor) -> bool:
@@ -205,6 +234,12 @@ class NativeGDN:
                                   weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
                                   x.stride(1), gate.stride(0), gate.stride(1), x.shape[2], eps)
         return out
+
+
+def _bytes(flags: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as the bytes the kernels read: a view (no copy a recorded step would miss)."""
+    flags = flags.contiguous()
+    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags.to(torch.uint8)
 
 
 def _conv_weight_t(weight: torch.Tensor) -> torch.Tensor:
@@ -257,6 +292,12 @@ class FusedRecurrentBackend(RecurrentBackend):
     # 16 with AVX512, 32 otherwise; docs/benchmarks.md); tests and benchmarks set one.
     native_chunk_size: int | None = None
 
+    def replay_metadata(self, meta: GDNMetadata) -> GDNMetadata | None:
+        # a decode step's every op is then a native call reading the metadata's buffers
+        if meta.num_prefills or not meta.num_decodes or native_ops() is None:
+            return None
+        return static_copy(meta)
+
     def causal_conv1d(
         self,
         x: torch.Tensor,
@@ -294,6 +335,14 @@ class FusedRecurrentBackend(RecurrentBackend):
             ops.chunk_prefill(q, k, v, g, beta, ssm_state, meta, out,
                               self.native_chunk_size or ops.preferred_chunk_size)
         return out
+
+    def gating(
+        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = native_ops()
+        if ops is None or not ops.supports_gating(a, b, A_log, dt_bias):
+            return super().gating(a, b, A_log, dt_bias)
+        return ops.gating(a, b, A_log, dt_bias)
 
     def gated_rms_norm(
         self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float

@@ -80,15 +80,6 @@ def causal_conv1d_varlen(
     return _ACTIVATIONS[activation](acc).to(x.dtype)
 
 
-def gdn_gating(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) from the a/b projections [num_tokens, Hv]: g = -exp(A_log) * softplus(a + dt_bias)
-    (log decay, fp32: in fp16 exp(A_log) may overflow) and beta = sigmoid(b) (activation dtype)."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [num_tokens, Hv]
-    return g, b.sigmoid()
-
-
 def _initial_states(
     pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor
 ) -> torch.Tensor:

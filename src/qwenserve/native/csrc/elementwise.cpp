@@ -10,6 +10,8 @@
 //   quantize_rows dynamic symmetric int8 per row (W8A8 activations): scale = absmax / 127
 //   scale_rows    an fp32 GEMM result times one scale per row (the W8A8 token scale), cast
 //   silu_mul_quantize  the W8A8 MLP's scale_rows + silu_and_mul + quantize_rows in one pass
+//   sigmoid_gate  x * sigmoid(gate) per head, the gate read in place (Qwen3.5's gated
+//                 attention output: its gate is a strided half of each q head's projection)
 //
 // Each reproduces the reference's roundings: bf16 values are widened to fp32, and rounded back
 // to bf16 (nearest even, as torch) wherever the reference produces a bf16 tensor. fp32 results
@@ -185,6 +187,28 @@ void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter, int64_t x_str
   }
 }
 
+// ---- Sigmoid gate --------------------------------------------------------------------------
+// out [T, H * D] (contiguous) = x * sigmoid(gate), token t's head h at x + t * x_so + h * x_si
+// and gate + t * g_so + h * g_si: sigmoid(gate) rounded to T, the product rounded once, as the
+// reference's `x * torch.sigmoid(gate)` in T (sigmoid to ~1 ulp of expf).
+template <typename T>
+void sigmoid_gate(T* out, const T* x, const T* gate, int64_t tokens, int64_t heads, int64_t d,
+                  int64_t x_so, int64_t x_si, int64_t g_so, int64_t g_si) {
+#pragma omp parallel for schedule(static) if (tokens * heads * d >= kParallelMin)
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xr = x + t * x_so + h * x_si;
+      const T* gr = gate + t * g_so + h * g_si;
+      T* o = out + (t * heads + h) * d;
+#pragma omp simd
+      for (int64_t k = 0; k < d; ++k) {
+        const float s = round_to(1.0f / (1.0f + exp_approx(-to_float(gr[k]))), T{});
+        store(o + k, round_to(to_float(xr[k]) * s, T{}));
+      }
+    }
+  }
+}
+
 // ---- Rotary -------------------------------------------------------------------------------
 // x [T, H, D] at x + t * stride + h * D; rotates dims [0, rot) of each head in place:
 //   x1' = x1 * c - x2 * s,  x2' = x2 * c + x1 * s   (halves of width rot / 2)
@@ -323,6 +347,17 @@ void silu_and_mul_bf16(uint16_t* out, const uint16_t* x, int64_t rows, int64_t i
 }
 
 // Each returns 0; 1 for an odd or too wide rotary_dim; 2 for a position outside the table.
+void sigmoid_gate_f32(float* out, const float* x, const float* gate, int64_t tokens,
+                      int64_t heads, int64_t d, int64_t x_so, int64_t x_si, int64_t g_so,
+                      int64_t g_si) {
+  sigmoid_gate(out, x, gate, tokens, heads, d, x_so, x_si, g_so, g_si);
+}
+void sigmoid_gate_bf16(uint16_t* out, const uint16_t* x, const uint16_t* gate, int64_t tokens,
+                       int64_t heads, int64_t d, int64_t x_so, int64_t x_si, int64_t g_so,
+                       int64_t g_si) {
+  sigmoid_gate(out, x, gate, tokens, heads, d, x_so, x_si, g_so, g_si);
+}
+
 int rotary_f32(float* q, float* k, const int64_t* positions, const float* cos, const float* sin,
                int64_t tokens, int64_t q_stride, int64_t k_stride, int64_t hq, int64_t hk,
                int64_t d, int64_t rot, int64_t max_position) {

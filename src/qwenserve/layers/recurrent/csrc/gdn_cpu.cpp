@@ -12,6 +12,7 @@
 // gdn_chunk_{f32,bf16}: the chunked prefill (below, at chunk_task).
 // gdn_gated_norm_{f32,bf16}: the gated RMSNorm that ends the layer, one pass instead of the
 //   reference's eight ops (and no copy of the strided gate rows).
+// gdn_gating_{f32,bf16}: the decay g and the write strength beta from the a/b projections.
 // Maths and layouts as the reference (layers/recurrent/torch_ref.py, delta_rule.py).
 #include <algorithm>
 #include <cmath>
@@ -790,6 +791,28 @@ int with_types(int dt, int pt, Fn fn) {
   return 1;
 }
 
+// ---- gating ----------------------------------------------------------------------------------
+// g = -exp(A_log) * softplus(a + dt_bias) in f32 (torch's softplus: past 20 it is x itself) and
+// beta = sigmoid(b) rounded to the layer's dtype as b.sigmoid() is, kept in f32 (the kernels
+// read both so). a, b: rows of H values at their own strides (columns of the in_proj output).
+// Its reference is torch_ref.gdn_gating: five PyTorch ops a layer, the one thing in a decode
+// step's Gated DeltaNet layer that was not a native kernel.
+template <typename DT>
+void gating(float* g, float* beta, const typename DT::T* a, const typename DT::T* b,
+            int64_t a_stride, int64_t b_stride, const float* A_log, const float* dt_bias,
+            int64_t T, int64_t H) {
+#pragma omp parallel for schedule(static) if (T * H >= 16384)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float x = DT::load(a[t * a_stride + h]) + dt_bias[h];
+      const float softplus = x > 20.0f ? x : std::log1p(std::exp(x));
+      g[t * H + h] = -std::exp(A_log[h]) * softplus;
+      const float y = DT::load(b[t * b_stride + h]);
+      beta[t * H + h] = DT::round(1.0f / (1.0f + std::exp(-y)));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -873,6 +896,18 @@ void gdn_conv_bf16(uint16_t* out, const uint16_t* x, int64_t x_stride, const flo
                    const float* bias, uint16_t* state, const int64_t* qsl, const int64_t* slots,
                    const uint8_t* has_init, int64_t R, int64_t D, int64_t K, int silu) {
   conv<BF16>(out, x, x_stride, weight_t, bias, state, qsl, slots, has_init, R, D, K, silu);
+}
+
+void gdn_gating_f32(float* g, float* beta, const float* a, const float* b, int64_t a_stride,
+                    int64_t b_stride, const float* A_log, const float* dt_bias, int64_t T,
+                    int64_t H) {
+  gating<F32>(g, beta, a, b, a_stride, b_stride, A_log, dt_bias, T, H);
+}
+
+void gdn_gating_bf16(float* g, float* beta, const uint16_t* a, const uint16_t* b,
+                     int64_t a_stride, int64_t b_stride, const float* A_log,
+                     const float* dt_bias, int64_t T, int64_t H) {
+  gating<BF16>(g, beta, a, b, a_stride, b_stride, A_log, dt_bias, T, H);
 }
 
 // The chunked prefill (ChunkArgs above). dtype: 0 f32, 1 bf16 (activations: q, k, v, out);
