@@ -195,3 +195,4 @@ class EngineConfig:
     # decode steps of up to this many sequences are recorded and replayed where the platform
     # can (worker/decode_replay.py); 0: every step eager (--enforce-eager)
     decode_replay_max_batch: int = 0
+    decode_replay_sizes: tuple[int, ...] = ()  # the batch sizes recorded; empty: all up to the max

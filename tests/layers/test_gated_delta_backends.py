@@ -147,6 +147,27 @@ def test_conv_varlen_continuations(backend, dtype, with_bias) -> None:
         torch.testing.assert_close(state[slot], seqs[i][-(K - 1) :])  # raw inputs, exactly
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_of_one_token_prompts_reads_zeros_not_the_slots_garbage(backend, dtype) -> None:
+    """Single-token requests beside a decode: a fresh one (a one-token prompt) starts from zeros
+    whatever its slot holds, a continuing one from its history; both histories shift by a row."""
+    conv_dim = 40  # two 16-channel vectors and a tail
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(conv_dim, K, generator=gen).to(dtype)
+    history = torch.randn(K - 1, conv_dim, generator=gen).to(dtype)
+    x = torch.randn(2, conv_dim, generator=gen).to(dtype)  # [fresh, continuing]
+    state = torch.full((3, K - 1, conv_dim), float("nan"), dtype=dtype)
+    state[2] = history
+    meta = backend.build_metadata([0, 1, 2], [0, 2], [False, True], "cpu")
+    y = backend.causal_conv1d(x, weight, None, state, meta)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y[0].float(), conv_reference(x[:1], weight, None)[0], **tol)
+    want = conv_reference(torch.cat([history, x[1:]]), weight, None)[-1]
+    torch.testing.assert_close(y[1].float(), want, **tol)
+    assert torch.equal(state[0], torch.cat([torch.zeros(K - 2, conv_dim, dtype=dtype), x[:1]]))
+    assert torch.equal(state[2], torch.cat([history[1:], x[1:]]))
+
+
 def test_conv_follows_an_in_place_write_of_its_weight() -> None:
     """The C++ conv reads a float32 [K, D] copy of the weight made at first use: a weight
     written in place (a reload, LoRA-style edits) is converted again, not read stale."""

@@ -1,7 +1,7 @@
 """Decode steps replayed from their recorded native calls (worker/decode_replay.py): the same
 tokens and logprobs as eager steps, across block boundaries, preemption and prefix caching;
 steps that compute in PyTorch stay eager; ``--enforce-eager`` and ``cudagraph_mode`` NONE switch
-it off; ``max_cudagraph_capture_size`` bounds it."""
+it off; ``max_cudagraph_capture_size`` bounds it and ``cudagraph_capture_sizes`` names its sizes."""
 
 from __future__ import annotations
 
@@ -136,6 +136,14 @@ def test_vllm_options_switch_it_off_or_bound_it(tiny_model):
     generate(bounded, PROMPTS[:2], 8)
     assert replays(bounded).replayed_steps > 0
     bounded.llm_engine.shutdown()
+    # vLLM Ascend's guides name the captured sizes: only those are recorded (no padding)
+    sized = LLM(path, compilation_config={"cudagraph_capture_sizes": [1, 3]}, **kw)
+    assert replays(sized).max_batch == 3
+    generate(sized, PROMPTS[:2], 8)
+    assert replays(sized).replayed_steps == 0
+    generate(sized, PROMPTS[:3], 8)
+    assert replays(sized).replayed_steps > 0
+    sized.llm_engine.shutdown()
 
 
 @needs_native

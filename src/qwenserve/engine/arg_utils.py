@@ -303,8 +303,9 @@ class EngineArgs:
             raise ValueError(f"--load-format {self.load_format} with a "
                              f"{model_config.quantization} checkpoint is not implemented yet: "
                              "drop --load-format or use an unquantized model")
-        log_option_notes(self, platform.name)
+        log_option_notes(self, platform.name, platform.replays_decode_steps)
         pooler = self._pooler(model_config)
+        compilation = parse_compilation_config(self.compilation_config)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -336,8 +337,8 @@ class EngineArgs:
             draft_model=draft_model,
             multimodal=self._multimodal_config(),
             kv_transfer=kv_transfer,
-            decode_replay_max_batch=parse_compilation_config(
-                self.compilation_config).decode_replay_max_batch(self.enforce_eager),
+            decode_replay_max_batch=compilation.decode_replay_max_batch(self.enforce_eager),
+            decode_replay_sizes=compilation.decode_replay_sizes(),
         )
 
     def for_data_parallel_rank(self, rank: int) -> EngineArgs:
@@ -417,13 +418,14 @@ class EngineArgs:
         )
 
 
-def log_option_notes(args: EngineArgs, platform_name: str) -> None:
+def log_option_notes(args: EngineArgs, platform_name: str, replays_decode_steps: bool) -> None:
     """Say once, at start-up, what each accepted vLLM option that does not act here means."""
     from qwenserve.logger import init_logger
     from qwenserve.options.additional import parse_additional_config
 
     logger = init_logger("qwenserve.config")
-    for note in parse_compilation_config(args.compilation_config).startup_notes(platform_name):
+    compilation = parse_compilation_config(args.compilation_config)
+    for note in compilation.startup_notes(platform_name, replays_decode_steps):
         logger.info(note)
     infos, warnings = parse_additional_config(args.additional_config).startup_notes(
         platform_name)

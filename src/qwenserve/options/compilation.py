@@ -4,7 +4,9 @@ vLLM uses it for ``torch.compile`` (``mode``, inductor settings) and for graph c
 (``cudagraph_mode``, capture sizes: CUDA graphs on GPUs, ACL graphs on Ascend through vLLM
 Ascend). qwenserve's counterpart on CPU records decode-only steps and replays their native
 kernel calls (worker/decode_replay.py): ``cudagraph_mode`` NONE switches that off (as
-``--enforce-eager`` does) and ``max_cudagraph_capture_size`` is the largest batch it records.
+``--enforce-eager`` does), ``max_cudagraph_capture_size`` is the largest batch it records and
+``cudagraph_capture_sizes`` the batch sizes it records (others run eagerly: CUDA graphs pad a
+batch up to the next captured size, a recorded CPU step does not).
 Every other given key is logged once at start-up with what it does in vLLM and why it has no
 effect here. Unknown keys and malformed values are errors, as in vLLM (its config forbids extra
 fields).
@@ -60,7 +62,8 @@ DEFAULT_DECODE_REPLAY_MAX_BATCH = 256
 # What all recorded decode steps' buffers may hold together (worker/decode_replay.py): a batch-64
 # step of the Qwen2.5-0.5B shape keeps ~33 MiB of activations, a batch-1 step ~0.6 MiB.
 DECODE_REPLAY_BYTES = 256 << 20
-ACTING_KEYS = ("cudagraph_mode", "max_cudagraph_capture_size")  # where decode steps replay
+# the keys that act where a platform replays decode steps (Platform.replays_decode_steps)
+ACTING_KEYS = ("cudagraph_mode", "max_cudagraph_capture_size", "cudagraph_capture_sizes")
 
 
 @dataclass(frozen=True)
@@ -74,36 +77,48 @@ class CompilationConfig:
         ``cudagraph_mode`` NONE)."""
         if enforce_eager or self.given.get("cudagraph_mode") == "NONE":
             return 0
-        return self.given.get("max_cudagraph_capture_size", DEFAULT_DECODE_REPLAY_MAX_BATCH)
+        sizes = self.given.get("cudagraph_capture_sizes")
+        default = max(sizes) if sizes else DEFAULT_DECODE_REPLAY_MAX_BATCH
+        return self.given.get("max_cudagraph_capture_size", default)
 
-    def startup_notes(self, platform_name: str) -> list[str]:
-        """One line per given key: what it does here (the keys that act on CPU), or what it
-        does in vLLM and why it has no effect here."""
+    def decode_replay_sizes(self) -> tuple[int, ...]:
+        """The batch sizes recorded (``cudagraph_capture_sizes``); empty: every size up to
+        ``decode_replay_max_batch``."""
+        return tuple(sorted(set(self.given.get("cudagraph_capture_sizes") or ())))
+
+    def startup_notes(self, platform_name: str, replays_decode_steps: bool) -> list[str]:
+        """One line per given key: what it does here (the keys that act where the platform
+        replays decode steps), or what it does in vLLM and why it has no effect here."""
         notes = []
         for key, value in self.given.items():
             given = f"--compilation-config {key}={json.dumps(value)}"
-            if key in ACTING_KEYS and platform_name == "cpu":
-                notes.append(f"{given}: {_acting_note(key, value)}")
+            if key in ACTING_KEYS and replays_decode_steps:
+                notes.append(f"{given}: {_acting_note(key, value, platform_name)}")
                 continue
             what = FIELDS[key][0]
             if _COMPILE in what:
                 why = "qwenserve does not use torch.compile yet (it runs the model eagerly)"
-            elif platform_name == "cpu":
-                why = ("on CPU qwenserve records and replays decode-only steps of every batch "
-                       "size up to max_cudagraph_capture_size; this key has no counterpart there")
+            elif replays_decode_steps:
+                why = (f"on {platform_name} qwenserve records and replays decode-only steps of "
+                       "the batch sizes cudagraph_capture_sizes names (default: every size up "
+                       "to max_cudagraph_capture_size); this key has no counterpart there")
             else:
                 why = f"qwenserve has no graph capture on {platform_name} yet (steps run eagerly)"
             notes.append(f"{given} ({what}): no effect on {platform_name}: {why}")
         return notes
 
 
-def _acting_note(key: str, value: Any) -> str:
+def _acting_note(key: str, value: Any, platform_name: str) -> str:
     if key == "max_cudagraph_capture_size":
-        return "the largest decode batch recorded and replayed on cpu"
+        return f"the largest decode batch recorded and replayed on {platform_name}"
+    if key == "cudagraph_capture_sizes":
+        return (f"the decode batch sizes recorded and replayed on {platform_name}; steps of "
+                "other sizes run eagerly (CUDA graphs pad a batch up to a captured size, a "
+                "recorded step is not padded)")
     if value == "NONE":
         return "every step runs eagerly (no recorded decode steps), as --enforce-eager"
-    return ("decode-only steps are recorded once per batch size and replayed on cpu (vLLM's "
-            "FULL_DECODE_ONLY; steps with prefill rows run eagerly)")
+    return (f"decode-only steps are recorded once per batch size and replayed on "
+            f"{platform_name} (vLLM's FULL_DECODE_ONLY; steps with prefill rows run eagerly)")
 
 
 def compilation_config_arg(text: str) -> dict[str, Any]:

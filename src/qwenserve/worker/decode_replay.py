@@ -104,12 +104,13 @@ class DecodeReplays:
 
     def __init__(self, model: DenseForCausalLM, attn_backend: AttentionBackend,
                  recurrent_backend: RecurrentBackend, max_blocks_per_seq: int, max_batch: int,
-                 max_bytes: int) -> None:
+                 max_bytes: int, sizes: tuple[int, ...] = ()) -> None:
         self.decoder: DecoderModel = model.model
         self.attn_backend = attn_backend
         self.recurrent_backend = recurrent_backend
         self.width = max_blocks_per_seq
         self.max_batch = max_batch
+        self.sizes = frozenset(sizes)  # the batch sizes recorded (cudagraph_capture_sizes); empty: all
         self.max_bytes = max_bytes
         self._recordings: OrderedDict[int, _Recording] = OrderedDict()
         self._refused: set[int] = set()  # sizes whose step computes outside native kernels
@@ -130,6 +131,7 @@ class DecodeReplays:
         the step is not one to record (the caller runs it eagerly)."""
         n = batch.input_ids.shape[0]
         if (batch.mm is not None or n > self.max_batch or n in self._refused
+                or (self.sizes and n not in self.sizes)
                 or self.decoder.aux_layer_ids or getattr(batch.attn, "num_decodes", 0) != n
                 or (batch.state is not None and batch.state.num_decodes != n)):
             self._last_size = 0

@@ -315,7 +315,7 @@ class Worker:
             return None
         width = -(-self.config.scheduler.max_model_len // plan.block_size)
         return DecodeReplays(self.model, self.backends.attention, self.backends.recurrent, width,
-                             max_batch, DECODE_REPLAY_BYTES)
+                             max_batch, DECODE_REPLAY_BYTES, self.config.decode_replay_sizes)
 
     @property
     def has_state(self) -> bool:

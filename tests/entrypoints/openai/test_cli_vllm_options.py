@@ -54,15 +54,17 @@ def test_compilation_config_json_dotted_and_mode():
 
 def test_startup_notes_name_each_key_and_say_why(caplog):
     args = EngineArgs(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "mode": 3,
-                                          "cudagraph_num_of_warmups": 1},
+                                          "cudagraph_num_of_warmups": 1,
+                                          "cudagraph_capture_sizes": [1, 2, 4]},
                       additional_config={"enable_cpu_binding": True, "made_up_key": 1},
                       async_scheduling=True)
     with caplog.at_level(logging.INFO):
-        log_option_notes(args, "cpu")
+        log_option_notes(args, "cpu", True)
     text = caplog.text
     assert 'cudagraph_mode="FULL_DECODE_ONLY": decode-only steps are recorded' in text
     assert "cudagraph_num_of_warmups=1" in text and "no counterpart there" in text
     assert "mode=3" in text and "torch.compile" in text
+    assert "cudagraph_capture_sizes=[1, 2, 4]: the decode batch sizes recorded" in text
     assert "enable_cpu_binding" in text and "NUMA" in text
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "made_up_key" in warned[0].getMessage()
