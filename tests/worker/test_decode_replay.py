@@ -106,6 +106,36 @@ def test_a_step_that_computes_in_pytorch_is_not_replayed(tiny_model, monkeypatch
 
 
 @needs_native
+def test_a_vision_language_models_text_steps_replay_and_image_steps_stay_eager(tmp_path):
+    """Published Qwen3.5 checkpoints are ``...ForConditionalGeneration``: a decode step with no
+    image rows is the text model's layers (recorded and replayed), one whose requests carry an
+    image (M-RoPE positions) runs eagerly; both give the eager engine's tokens and logprobs."""
+    from helpers.tiny_vision import make_tiny_vl_checkpoint, random_image
+
+    path = make_tiny_vl_checkpoint("qwen3_5", str(tmp_path / "qwen3_5_vl"))
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    eager, replayed = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
+    front = replayed.llm_engine.image_inputs
+    texts = ["qwenserve serves Qwen models.", "Hi", "paged attention"]
+    with_image = {"prompt": "Look: " + front.placeholder + " what is it?",
+                  "multi_modal_data": {"image": [random_image(40, 28, seed=3)]}}
+    p = params(12)
+
+    def run(llm: LLM, prompts: list) -> list:
+        return [(list(o.outputs[0].token_ids),
+                 [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, p)]
+
+    assert run(replayed, texts) == run(eager, texts)
+    assert replays(replayed).replayed_steps > 0
+    before = replays(replayed).replayed_steps
+    assert run(replayed, [with_image, texts[0]]) == run(eager, [with_image, texts[0]])
+    assert replays(replayed).replayed_steps == before  # every step had an image's positions
+    for llm in (eager, replayed):
+        llm.llm_engine.shutdown()
+
+
+@needs_native
 def test_a_hybrid_replay_that_stops_midway_fails_the_step(tiny_model, monkeypatch):
     """A dense step that a kernel refuses midway runs again eagerly (it rewrites the same K/V);
     a hybrid one cannot (the calls before the refusal advanced recurrent states in place), so

@@ -26,6 +26,8 @@ from qwenserve.layers.rotary import RotaryEmbedding, rope_parameters
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from qwenserve.layers.backends import ElementwiseKernels
+
 
 def mrope_layout(rope_params: dict, default_interleaved: bool) -> tuple[list[int], bool]:
     """``(mrope_section, interleaved)`` from a config's ``rope_parameters``/``rope_scaling``.
@@ -66,11 +68,13 @@ class MRotaryEmbedding(RotaryEmbedding):
     """
 
     def __init__(self, config: PretrainedConfig, head_dim: int, rotary_dim: int, max_position: int,
-                 section: Sequence[int], interleaved: bool) -> None:
+                 section: Sequence[int], interleaved: bool,
+                 kernels: ElementwiseKernels | None = None) -> None:
         rope_type, _ = rope_parameters(config)
         if rope_type != "default":
             raise ValueError(f"M-RoPE supports rope_type 'default', not {rope_type!r}")
-        super().__init__(config, head_dim, rotary_dim, max_position)
+        # kernels: the fused rotary for [T] positions (text-only steps), as RotaryEmbedding's
+        super().__init__(config, head_dim, rotary_dim, max_position, kernels)
         axes = axis_of_frequency(section, interleaved, rotary_dim // 2)
         self.register_buffer("axis_of_dim", torch.cat((axes, axes)), persistent=False)  # [R]
 

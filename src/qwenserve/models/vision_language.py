@@ -52,6 +52,8 @@ class VisionLanguageMixin:
         decoder = self.model
         x, positions, after_layer = merge_images(decoder.embed_tokens(input_ids), positions,
                                                  batch)
+        if after_layer is None:  # the text model's layers (a text-only step: a replayable one)
+            return decoder.run_layers(x, positions, batch, caches)
         residual = None
         for i, layer in enumerate(decoder.layers):
             x, residual = layer(positions, x, residual, batch, caches, decoder.rotary)
@@ -89,7 +91,7 @@ def build_vision(model: nn.Module, ctx: ModelContext) -> Qwen3VisionTower | None
         section, interleaved = mrope_layout(params, default_interleaved=True)
         model.rotary = MRotaryEmbedding(cfg, _head_dim(cfg),
                                         rotary.rotary_dim, ctx.max_model_len, section,
-                                        interleaved)
+                                        interleaved, rotary.kernels)
     vision_config = getattr(cfg, "vision_config", None)
     if vision_config is None:
         return None

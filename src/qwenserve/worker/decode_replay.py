@@ -19,7 +19,9 @@ the layers must keep true: a scalar a kernel is called with depends on the batch
 (shapes, the block size), never on a step's data - per-step values travel in the buffers
 (positions, slots, context lengths, block tables).
 
-Hybrid models (Qwen3.5, Qwen3-Next) replay too: their Gated DeltaNet layers are native kernels
+Vision-language checkpoints (Qwen3.5's published ones are ``...ForConditionalGeneration``) replay
+their steps with no image rows, which are the text model's layers; a step whose requests carry
+images (M-RoPE positions) runs eagerly. Hybrid models (Qwen3.5, Qwen3-Next) replay too: their Gated DeltaNet layers are native kernels
 on the CPU backend, and their metadata has buffers of its own (``RecurrentBackend.
 replay_metadata``). Their decode updates each sequence's recurrent state in place, so a step
 that stopped midway cannot be run again: where a replay or a recording of such a step fails
@@ -41,6 +43,7 @@ from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.recurrent import GDNMetadata, RecurrentBackend
 from qwenserve.logger import init_logger
 from qwenserve.models.dense import DecoderModel, DenseForCausalLM
+from qwenserve.models.vision_language import VisionLanguageMixin
 from qwenserve.native.recording import NativeCall, record_calls, replay
 
 logger = init_logger(__name__)
@@ -120,10 +123,11 @@ class DecodeReplays:
 
     @staticmethod
     def applies_to(model: object) -> bool:
-        """A dense causal LM whose forward is the embedding then ``run_layers`` (not a vision
-        language model's, which merges images in between)."""
+        """A causal LM whose forward is the embedding then ``run_layers``: the text models', and
+        a vision-language model's in the steps with no image rows (``batch.mm`` None: the only
+        ones ``forward`` records), where it merges nothing in between."""
         return (isinstance(model, DenseForCausalLM)
-                and type(model).forward is DenseForCausalLM.forward
+                and type(model).forward in (DenseForCausalLM.forward, VisionLanguageMixin.forward)
                 and type(model.model).forward is DecoderModel.forward)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor | None:
