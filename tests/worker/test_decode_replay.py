@@ -72,10 +72,12 @@ def test_w8a8_decode_steps_replay_like_eager(tiny_model, dtype):
 
 
 @needs_native
-def test_preemption_and_prefix_hits_replay_like_eager(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_5"])
+def test_preemption_and_prefix_hits_replay_like_eager(tiny_model, arch):
     """A KV pool too small for all four requests (preempted, recomputed, resumed) and a shared
-    prefix: the decode batch changes size and block tables change between replays."""
-    path = tiny_model("qwen2")
+    prefix: the decode batch changes size and block tables change between replays. Qwen3.5:
+    its prefix hits restore recurrent-state checkpoints, and its state slots change too."""
+    path = tiny_model(arch)
     shared = PROMPTS[3][:32]
     prompts = [shared + [9, 8], shared + [4], PROMPTS[2], PROMPTS[1]]
     kw = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=9,
