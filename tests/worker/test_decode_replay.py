@@ -55,11 +55,12 @@ def test_replayed_steps_give_the_eager_tokens_and_logprobs(tiny_model, arch, dty
 
 @needs_native
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_w8a8_decode_steps_replay_like_eager(tiny_model, dtype):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_5"])
+def test_w8a8_decode_steps_replay_like_eager(tiny_model, dtype, arch):
     """``--quantization int8``: one and two sequences run the native int8 GEMV with its scales
     and the layer's bias in the kernel, more the AMX-INT8 GEMM where the CPU has it, so their
-    steps replay too."""
-    path = tiny_model("qwen2")
+    steps replay too (Qwen3.5's Gated DeltaNet projections included)."""
+    path = tiny_model(arch)
     kw = dict(dtype=dtype, max_model_len=128, kv_cache_memory_bytes=16 << 20,
               quantization="int8")
     eager, replayed = LLM(path, enforce_eager=True, **kw), LLM(path, **kw)
