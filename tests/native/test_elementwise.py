@@ -1,7 +1,8 @@
 """The fused elementwise kernels (native/csrc/elementwise.cpp) against the layers' PyTorch
 reference: RMSNorm with and without the residual add (plain and zero-centred), SiLU-and-mul,
-the sigmoid output gate, rotary and per-token int8 quantization (and the W8A8 MLP's fused middle against those kernels in
-turn), in fp32 and bf16, at odd sizes and on strided views as the model hands them over."""
+the sigmoid output gate, rotary and per-token int8 quantization (and the W8A8 MLP's fused
+middle against those kernels in turn), in fp32 and bf16, at odd sizes and on strided views as
+the model hands them over."""
 
 from __future__ import annotations
 

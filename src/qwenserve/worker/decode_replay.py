@@ -19,13 +19,14 @@ the layers must keep true: a scalar a kernel is called with depends on the batch
 (shapes, the block size), never on a step's data - per-step values travel in the buffers
 (positions, slots, context lengths, block tables).
 
-Vision-language checkpoints (Qwen3.5's published ones are ``...ForConditionalGeneration``) replay
-their steps with no image rows, which are the text model's layers; a step whose requests carry
-images (M-RoPE positions) runs eagerly. Hybrid models (Qwen3.5, Qwen3-Next) replay too: their Gated DeltaNet layers are native kernels
-on the CPU backend, and their metadata has buffers of its own (``RecurrentBackend.
-replay_metadata``). Their decode updates each sequence's recurrent state in place, so a step
-that stopped midway cannot be run again: where a replay or a recording of such a step fails
-after it began, the step fails (an error naming the kernel), rather than advancing a state twice.
+Vision-language checkpoints (Qwen3.5's published ones are ``...ForConditionalGeneration``)
+replay their steps with no image rows, which are the text model's layers; a step whose requests
+carry images (M-RoPE positions) runs eagerly. Hybrid models (Qwen3.5, Qwen3-Next) replay too:
+their Gated DeltaNet layers are native kernels on the CPU backend, and their metadata has buffers
+of its own (``RecurrentBackend.replay_metadata``). Their decode updates each sequence's recurrent
+state in place, so a step that stopped midway cannot be run again: where a replay or a recording
+of such a step fails after it began, the step fails (an error naming the kernel), rather than
+advancing a state twice.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ class DecodeReplays:
         self.recurrent_backend = recurrent_backend
         self.width = max_blocks_per_seq
         self.max_batch = max_batch
-        self.sizes = frozenset(sizes)  # the batch sizes recorded (cudagraph_capture_sizes); empty: all
+        # the batch sizes recorded (cudagraph_capture_sizes); empty: every size up to max_batch
+        self.sizes = frozenset(sizes)
         self.max_bytes = max_bytes
         self._recordings: OrderedDict[int, _Recording] = OrderedDict()
         self._refused: set[int] = set()  # sizes whose step computes outside native kernels
@@ -150,8 +152,8 @@ class DecodeReplays:
                 if stopped is None:
                     self.replayed_steps += 1
                     return recorded.hidden
-                # a kernel refused this step's data: drop the recording, run it eagerly
-                # (rewriting the same K/V the replay wrote before it stopped)
+                # a kernel refused this step's data: drop the recording; a dense step runs
+                # eagerly (rewriting the same K/V the replay wrote before it stopped)
                 del self._recordings[n]
                 if recorded.state is not None:
                     fn = recorded.calls[stopped].fn
