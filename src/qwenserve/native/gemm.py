@@ -221,20 +221,28 @@ class Bgemm(_RowMajorGemm):
         return self._run(self._silu_mul, x, w, bias, w.shape[0] // 2)
 
 
+def _amx_library(name: str, available: str, not_used: str) -> ctypes.CDLL | None:
+    """``csrc/<name>.cpp``'s library, or None where it cannot be built or (``available``, its
+    probe, says 0) the CPU or the process cannot use its AMX tiles: ``not_used`` logged once."""
+    # no contraction into fused multiply-adds: the epilogues equal the unfused paths' bits
+    lib = load_library(f"qwenserve_{name}", [os.path.join(CSRC, f"{name}.cpp")],
+                       cflags=(*DEFAULT_CFLAGS, "-ffp-contract=off"))
+    if lib is None:
+        return None
+    if not getattr(lib, available)():
+        logger.info(not_used)
+        return None
+    return lib
+
+
 @functools.cache
 def bgemm() -> Bgemm | None:
     """The AMX bf16 GEMM for small batches, or None (logged once) where it cannot be built or the
     CPU (or the process) cannot use AMX tiles."""
-    # no contraction into fused multiply-adds: the SiLU epilogue equals elementwise.cpp's bits
-    lib = load_library("qwenserve_bgemm", [os.path.join(CSRC, "bgemm.cpp")],
-                       cflags=(*DEFAULT_CFLAGS, "-ffp-contract=off"))
-    if lib is None:
-        return None
-    if not lib.bgemm_bf16_available():
-        logger.info("bf16 AMX GEMM not used: no AMX tiles for this process (CPU, compiler or "
-                    "kernel permission); small bf16 batches use the platform GEMM")
-        return None
-    return Bgemm(lib.bgemm_bf16, lib.bgemm_bf16_silu_mul)
+    lib = _amx_library("bgemm", "bgemm_bf16_available",
+                       "bf16 AMX GEMM not used: no AMX tiles for this process (CPU, compiler or "
+                       "kernel permission); small bf16 batches use the platform GEMM")
+    return None if lib is None else Bgemm(lib.bgemm_bf16, lib.bgemm_bf16_silu_mul)
 
 
 class Igemm:
@@ -269,16 +277,12 @@ class Igemm:
                              f"w {tuple(w_q.shape)} (2: no AMX-INT8, 3: out of memory)")
         return out
 
+
 @functools.cache
 def igemm() -> Igemm | None:
     """The AMX-INT8 W8A8 GEMM for small batches, or None (logged once) where it cannot be built
     or the CPU (or the process) cannot use AMX-INT8 tiles."""
-    lib = load_library("qwenserve_igemm", [os.path.join(CSRC, "igemm.cpp")],
-                       cflags=(*DEFAULT_CFLAGS, "-ffp-contract=off"))
-    if lib is None:
-        return None
-    if not lib.igemm_s8_available():
-        logger.info("int8 AMX GEMM not used: no AMX-INT8 tiles for this process (CPU, compiler "
-                    "or kernel permission); small W8A8 batches use the platform GEMM")
-        return None
-    return Igemm(lib.igemm_s8_scaled)
+    lib = _amx_library("igemm", "igemm_s8_available",
+                       "int8 AMX GEMM not used: no AMX-INT8 tiles for this process (CPU, compiler "
+                       "or kernel permission); small W8A8 batches use the platform GEMM")
+    return None if lib is None else Igemm(lib.igemm_s8_scaled)
