@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -79,14 +79,15 @@ class GDNMetadata:
         return self.prefill_slots.numel()
 
 
-# the per-step tensors of GDNMetadata (the rest are Python values fixed by the step's layout)
-_TENSOR_FIELDS = tuple(f.name for f in fields(GDNMetadata) if f.type == "torch.Tensor")
+def _tensors(meta: GDNMetadata) -> dict[str, torch.Tensor]:
+    """The per-step tensors of ``meta`` by field name (the rest are Python values fixed by the
+    step's layout)."""
+    return {f.name: v for f in fields(meta) if isinstance(v := getattr(meta, f.name), torch.Tensor)}
 
 
 def static_copy(meta: GDNMetadata) -> GDNMetadata:
     """``meta`` with every tensor in a buffer of its own (a recorded step's metadata)."""
-    return GDNMetadata(**{f.name: getattr(meta, f.name).clone() if f.name in _TENSOR_FIELDS
-                          else getattr(meta, f.name) for f in fields(GDNMetadata)})
+    return replace(meta, **{name: t.clone() for name, t in _tensors(meta).items()})
 
 
 def _host_list(values: Sequence[int] | Sequence[bool] | torch.Tensor) -> list:
@@ -199,8 +200,8 @@ class RecurrentBackend(ABC):
         (another number of sequences, prefill rows)."""
         if meta.num_prefills or static.num_prefills or meta.num_decodes != static.num_decodes:
             return False
-        for field in _TENSOR_FIELDS:
-            getattr(static, field).copy_(getattr(meta, field))
+        for name, t in _tensors(meta).items():
+            getattr(static, name).copy_(t)
         return True
 
     @abstractmethod
