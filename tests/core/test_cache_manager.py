@@ -85,43 +85,50 @@ def hybrid(num_state_slots: int = 4, num_blocks: int = 16) -> CacheManager:
                         num_state_slots=num_state_slots)
 
 
-def run_chunk(cm: CacheManager, req, num_tokens: int) -> int:
-    """Allocate and 'compute' up to ``num_tokens`` more tokens of ``req`` (one step); returns
-    how many ran."""
+def run_chunk(cm: CacheManager, req, num_tokens: int):
+    """Allocate and 'compute' ``num_tokens`` more tokens of ``req`` (one step); returns the
+    checkpoint the step's kernels were asked to save mid-chunk (position, slot), or None."""
     alloc = cm.allocate(req, num_tokens)
-    req.num_computed_tokens += alloc.num_tokens
+    assert alloc is not None and alloc.num_tokens == num_tokens
+    planned = cm.planned_checkpoint(req.request_id)
+    req.num_computed_tokens += num_tokens
     cm.cache_full_blocks(req)
-    return alloc.num_tokens
+    return None if planned is None else (planned.position, planned.slot)
 
 
 def test_hybrid_prefix_hit_needs_a_state_checkpoint():
     cm = hybrid()
     first = make_request(prompt=list(range(14)))
-    assert run_chunk(cm, first, 14) == 12  # stops at the last block boundary before the end
+    # one chunk; its states after 12 tokens (the last block boundary before the last token)
+    # are saved mid-chunk into an idle slot
+    position, checkpoint = run_chunk(cm, first, 14)
     live = cm.state_slot(first.request_id)
-    assert run_chunk(cm, first, 2) == 2
+    assert position == 12 and checkpoint not in (0, live)
+    assert run_chunk(cm, first, 1) is None  # a decode
     cm.free(first)
     follow_up = make_request(prompt=list(range(14)) + [50, 51, 52])  # e.g. the next chat turn
     hit = cm.lookup_prefix(follow_up)
     # 4 KV blocks would match up to 16 tokens, the state only up to 12
-    assert len(hit.block_ids) == 3 and hit.checkpoint_slot not in (None, live)
+    assert len(hit.block_ids) == 3 and hit.checkpoint_slot == checkpoint
     alloc = cm.allocate(follow_up, 5, hit)
-    # the save reserved after the 12-token chunk went out with the next allocation ("first"'s
-    # second chunk), so this one only restores; the checkpoint is copied, not taken
-    assert alloc.state_slot != hit.checkpoint_slot and not alloc.state_saves
-    assert alloc.state_restores == [(hit.checkpoint_slot, alloc.state_slot)]
+    # the checkpoint is copied into the request's own slot, not taken
+    assert alloc.state_slot != checkpoint and not alloc.state_saves
+    assert alloc.state_restores == [(checkpoint, alloc.state_slot)]
+    # and this chunk saves its own at 16, never into the slot it restores from
+    assert cm.planned_checkpoint(follow_up.request_id).slot not in (checkpoint, alloc.state_slot)
     other = make_request(prompt=list(range(8)) + [99] * 8)  # shares 2 blocks, no checkpoint
     assert cm.lookup_prefix(other) == NO_HIT
 
 
-def test_saves_go_out_with_the_next_allocation():
+def test_a_chunk_ending_on_a_block_boundary_saves_with_the_next_allocation():
     cm = hybrid()
     first = make_request(prompt=list(range(14)))
-    run_chunk(cm, first, 14)
+    assert run_chunk(cm, first, 8) is None  # the budget cut it at 8, a boundary: no mid-save
     live = cm.state_slot(first.request_id)
-    alloc = cm.allocate(first, 2)
-    ((src, checkpoint),) = alloc.state_saves
+    alloc = cm.allocate(first, 6)
+    ((src, checkpoint),) = alloc.state_saves  # the live slot still holds the state after 8
     assert src == live and checkpoint != live
+    assert cm.planned_checkpoint(first.request_id).slot not in (live, checkpoint)  # at 12
     assert cm.allocate(make_request(num_tokens=3), 3).state_saves == []  # drained once
 
 
@@ -129,7 +136,7 @@ def test_checkpoints_live_in_idle_slots_and_are_evicted_lru():
     cm = hybrid(num_state_slots=4)  # 3 usable slots
     reqs = [make_request(prompt=[i] * 9) for i in range(3)]
     for req in reqs:
-        assert run_chunk(cm, req, 9) == 8
+        assert run_chunk(cm, req, 9)[0] == 8
         cm.free(req)
     # Three requests came and went, one at a time, each holding one slot while it ran: two idle
     # slots were left for checkpoints, so the third save evicted the oldest checkpoint.
@@ -141,17 +148,32 @@ def test_checkpoints_live_in_idle_slots_and_are_evicted_lru():
     assert all(cm.lookup_prefix(make_request(prompt=[i] * 10)) == NO_HIT for i in range(3))
     late = make_request(prompt=[7] * 9)
     cm.free(live[0])
-    assert run_chunk(cm, late, 9) == 8  # takes the only idle slot: no room for a checkpoint
-    assert cm.allocate(late, 1).state_saves == []
+    assert run_chunk(cm, late, 9) is None  # takes the only idle slot: no room for a checkpoint
 
 
-def test_a_live_request_outranks_a_checkpoint_not_copied_yet():
+def test_a_live_request_outranks_a_checkpoint_planned_for_the_step():
     cm = hybrid(num_state_slots=3)  # 2 usable: one live, one idle
     a = make_request(prompt=[1] * 9)
-    assert run_chunk(cm, a, 9) == 8  # reserves the idle slot for its checkpoint
+    cm.allocate(a, 9)
+    planned = cm.planned_checkpoint(a.request_id)
+    assert planned is not None and planned.position == 8  # the idle slot, reserved
     b = make_request(num_tokens=2)
-    alloc = cm.allocate(b, 2)
-    assert alloc is not None and alloc.state_saves == []  # b took it; the save is dropped
+    alloc = cm.allocate(b, 2)  # admitted later in the same step: takes it
+    assert alloc is not None and alloc.state_slot == planned.slot
+    assert cm.planned_checkpoint(a.request_id) is None
+    a.num_computed_tokens = 9
+    cm.cache_full_blocks(a)
+    assert cm.lookup_prefix(make_request(prompt=[1] * 10)) == NO_HIT
+
+
+def test_a_planned_checkpoint_goes_back_unregistered_when_its_request_leaves_first():
+    cm = hybrid(num_state_slots=3)
+    a = make_request(prompt=[1] * 9)
+    cm.allocate(a, 9)
+    slot = cm.planned_checkpoint(a.request_id).slot
+    cm.free(a)  # preempted (or aborted) before the step's results came back
+    assert cm.planned_checkpoint(a.request_id) is None
+    assert cm.states.num_free_slots == 2 and slot in cm.states.idle
     assert cm.lookup_prefix(make_request(prompt=[1] * 10)) == NO_HIT
 
 
@@ -176,6 +198,21 @@ def test_one_step_never_saves_two_checkpoints_into_one_slot():
     saves = cm.allocate(a, 1).state_saves
     assert len(saves) == 1 and saves[0][0] == cm.state_slot(a.request_id)  # b found no slot
     assert cm.lookup_prefix(make_request(prompt=[1] * 9)).checkpoint_slot == saves[0][1]
+
+
+def test_two_requests_planning_one_checkpoint_register_it_once():
+    cm = hybrid(num_state_slots=5)
+    a, b = make_request(prompt=[3] * 9), make_request(prompt=[3] * 9)
+    for req in (a, b):
+        cm.allocate(req, 9)
+    slots = {cm.planned_checkpoint(r.request_id).slot for r in (a, b)}
+    assert len(slots) == 2
+    for req in (a, b):
+        req.num_computed_tokens = 9
+        cm.cache_full_blocks(req)
+    hit = cm.lookup_prefix(make_request(prompt=[3] * 10))
+    assert hit.num_tokens == 8 and hit.checkpoint_slot in slots
+    assert cm.states.num_free_slots == 2  # the duplicate's slot went back to the queue
 
 
 def test_mtp_lookahead_slots_are_allocated_up_to_max_model_len():

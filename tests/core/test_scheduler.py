@@ -165,27 +165,33 @@ def test_fcfs_blocked_head_blocks_the_queue():
     assert [c.request_id for c in out.chunks] == [running.request_id]
 
 
-def test_hybrid_prefill_stops_at_its_checkpoint_and_a_follow_up_restores_it():
+def test_hybrid_prefill_saves_its_checkpoint_mid_chunk_and_a_follow_up_restores_it():
     sched = make_scheduler(block_size=4, max_num_batched_tokens=64, num_state_slots=4)
     first = make_request(prompt=list(range(14)), max_tokens=2)
     sched.add_request(first)
     out, _ = run_step(sched)
     live = sched.cache.state_slot(first.request_id)
-    # the prefill stops at 12, the last block boundary before the last token, and saves there:
-    # the copy goes out with the next step, made before its forward pass
-    assert [(c.start_pos, len(c.token_ids), c.sample) for c in out.chunks] == [(0, 12, False)]
+    # the whole prompt runs in one chunk; the kernels also save the states after 12 tokens (the
+    # last block boundary before the last token) into an idle slot, registered after the step
+    ((chunk),) = out.chunks
+    assert (chunk.start_pos, len(chunk.token_ids), chunk.sample) == (0, 14, True)
+    n, checkpoint = chunk.state_checkpoint
+    assert n == 12 and checkpoint not in (0, live)
     assert not out.state_saves and not out.state_restores
     out, _ = run_step(sched)
-    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [(12, 2)]
-    ((src, checkpoint),) = out.state_saves
-    assert src == live and checkpoint != live and not out.state_restores
-    out, _ = run_step(sched)
-    assert not out.state_saves  # 14 is no block boundary
+    assert [(c.start_pos, len(c.token_ids), c.state_checkpoint) for c in out.chunks] == \
+        [(14, 1, None)]
+    assert not out.state_saves
     while sched.has_unfinished_requests():
         run_step(sched)
     follow_up = make_request(prompt=list(range(14)) + [7, 50, 51, 52, 53], max_tokens=1)
     sched.add_request(follow_up)
     out, _ = run_step(sched)
-    assert out.state_restores == [(checkpoint, sched.cache.state_slot(follow_up.request_id))]
-    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [(12, 4)]  # to 16
+    ((restored_from, restored_into),) = out.state_restores
+    assert restored_from == checkpoint
+    ((chunk),) = out.chunks
+    # from the checkpoint to the end, saving again at 16 (4 tokens in) into another idle slot
+    assert (chunk.start_pos, len(chunk.token_ids)) == (12, 7)
+    assert chunk.state_checkpoint[0] == 4
+    assert chunk.state_checkpoint[1] not in (0, checkpoint, restored_into)
     assert follow_up.num_cached_tokens == 12

@@ -77,7 +77,7 @@ SETTINGS = {
     # a 16-token budget (and 16-token encoder budget) cuts prompts and images into chunks
     "chunked": dict(max_num_batched_tokens=16),
     # 8 blocks of 16 tokens cannot hold all five sequences at once: preemption
-    "preemption": dict(max_num_batched_tokens=64, num_gpu_blocks_override=8, max_model_len=128),
+    "preemption": dict(max_num_batched_tokens=128, num_gpu_blocks_override=8, max_model_len=128),
 }
 
 

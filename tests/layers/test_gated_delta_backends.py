@@ -433,3 +433,61 @@ def test_gating_matches_the_reference(backend, dtype) -> None:
     assert torch.equal(beta, beta.to(dtype).float())
     rtol = 2.0**-7 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(beta, beta_ref.float(), rtol=rtol, atol=0.0)
+
+
+# ---- state checkpoints (hybrid prefix caching): states saved mid-prefill ---------------------
+@pytest.mark.parametrize("native_chunk", [None, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_checkpoints_equal_the_states_of_a_prefill_cut_there(backend, native_chunk,
+                                                                   dtype) -> None:
+    """Prefills asked to save their states after n tokens (n on and off the kernels' chunk
+    boundaries, fresh and continuing requests, beside decodes): the slot named gets exactly the
+    SSM state of those n tokens and the conv's last K-1 raw rows before them (from the stored
+    history where n < K-1), and the outputs and final states are the recurrence's as without."""
+    if native_chunk is not None:
+        if backend.name != "fused" or fused_module.native_ops() is None:
+            pytest.skip("the C++ prefill's own chunk sizes")
+        backend.native_chunk_size = native_chunk
+    lens = [40, 1, 70, 2, 33, 5]
+    slots = [1, 2, 3, 4, 5, 6]
+    has_init = [False, True, True, False, True, True]
+    saves = [(16, 7), None, (37, 8), (1, 9), (32, 10), (2, 11)]  # (n, slot) or None
+    q, k, v, g, beta = make_qkvgb(sum(lens), seed=11, dtype=dtype)
+    pool = torch.randn(12, HV, DK, DV)
+    pool[7:] = float("nan")  # checkpoint slots hold garbage until written
+    conv_dim = 24
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(sum(lens), conv_dim, generator=gen).to(dtype)
+    weight = torch.randn(conv_dim, K, generator=gen).to(dtype)
+    conv = torch.randn(12, K - 1, conv_dim, generator=gen).to(dtype)
+    before, conv_before = pool.clone(), conv.clone()
+    meta = backend.build_metadata(cu(lens), slots, has_init, "cpu", saves)
+    y = backend.causal_conv1d(x, weight, None, conv, meta)
+    out = backend.gated_delta_rule(q, k, v, g, beta, pool, meta)
+    plain = backend.build_metadata(cu(lens), slots, has_init, "cpu")
+    conv_plain, pool_plain = conv_before.clone(), before.clone()
+    torch.testing.assert_close(y, backend.causal_conv1d(x, weight, None, conv_plain, plain))
+    tol = dict(atol=ATOL, rtol=ATOL) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), backend.gated_delta_rule(
+        q, k, v, g, beta, pool_plain, plain).float(), **tol)
+    qsl = cu(lens)
+    for i, save in enumerate(saves):
+        torch.testing.assert_close(pool[slots[i]], pool_plain[slots[i]], atol=ATOL, rtol=ATOL)
+        assert torch.equal(conv[slots[i]], conv_plain[slots[i]])
+        if save is None:
+            continue
+        n, slot = save
+        span = slice(qsl[i], qsl[i] + n)
+        init = before[slots[i]] if has_init[i] else None
+        _, state = recurrent_gated_delta_rule(q[span], k[span], v[span], g[span], beta[span],
+                                              init)
+        torch.testing.assert_close(pool[slot], state, atol=ATOL, rtol=ATOL)
+        history = conv_before[slots[i]] if has_init[i] else torch.zeros(K - 1, conv_dim,
+                                                                         dtype=dtype)
+        assert torch.equal(conv[slot], torch.cat([history, x[span]])[-(K - 1):])
+
+
+def test_a_state_checkpoint_must_fall_inside_its_request(backend) -> None:
+    for bad in [(0, 3), (5, 3), (9, 3)]:
+        with pytest.raises(ValueError, match="state checkpoint after"):
+            backend.build_metadata([0, 5], [1], [False], "cpu", [bad])

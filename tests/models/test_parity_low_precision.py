@@ -88,11 +88,14 @@ CASES = [pytest.param(arch, "bfloat16", id=f"{arch}-bfloat16") for arch in ARCHS
 def test_low_precision_matches_hf_in_the_same_dtype(tiny_model, arch, dtype):
     path = tiny_model(arch)
     batch = prompts(ARCHS.index(arch))
-    # 16-token budget: chunked prefill; 8 blocks of 16 (hybrid models: 10, so that state
-    # checkpoints survive for the second round) cannot hold the four sequences (11 blocks at
-    # full length): preemption; the second round hits the prefix cache
-    llm = LLM(path, dtype=dtype, max_model_len=128, max_num_batched_tokens=16,
-              num_gpu_blocks_override=10 if arch in HYBRID else 8, enable_prefix_caching=True)
+    # 16-token budget (hybrid models: 32): chunked prefill; 8 blocks of 16 (hybrid models: 10,
+    # so that state checkpoints survive for the second round) cannot hold the four sequences
+    # (11 blocks at full length): preemption; the second round hits the prefix cache. (Hybrid
+    # prefills no longer stop at their checkpoints: with 16 tokens a step too few sequences
+    # grew at once to preempt.)
+    hybrid = arch in HYBRID
+    llm = LLM(path, dtype=dtype, max_model_len=128, max_num_batched_tokens=32 if hybrid else 16,
+              num_gpu_blocks_override=10 if hybrid else 8, enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     rounds = [llm.generate([{"prompt_token_ids": p} for p in batch], params) for _ in range(2)]
     engine = llm.llm_engine

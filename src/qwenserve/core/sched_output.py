@@ -37,6 +37,9 @@ class ScheduledChunk:
     Speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are draft tokens, not
     yet part of the request; the workers verify them (one row of logits per token) and keep
     the KV of those accepted.
+
+    ``state_checkpoint`` (hybrid models' prefix caching): ``(n, slot)``, the recurrent states
+    (conv and SSM) after the chunk's first ``n`` tokens are also written to state slot ``slot``.
     """
 
     request_id: str
@@ -45,6 +48,7 @@ class ScheduledChunk:
     new_block_ids: list[int]
     sample: bool
     num_draft_tokens: int = 0
+    state_checkpoint: tuple[int, int] | None = None
 
 
 @dataclass

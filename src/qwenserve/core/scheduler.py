@@ -108,6 +108,9 @@ class Scheduler:
             req = self.requests[chunk.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+            planned = self.cache.planned_checkpoint(chunk.request_id)
+            if planned is not None:  # asked last: a later admission may have taken its slot
+                chunk.state_checkpoint = (planned.position - chunk.start_pos, planned.slot)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

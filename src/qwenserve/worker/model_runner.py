@@ -291,7 +291,8 @@ class ModelRunner:
             query_start_loc = [c.q_start for c in layouts] + [len(input_ids)]
             slots = [self.requests[c.request_id].state_slot for c in chunks]
             state = self.recurrent_backend.build_metadata(
-                query_start_loc, slots, [c.start_pos > 0 for c in layouts], device)
+                query_start_loc, slots, [c.start_pos > 0 for c in layouts], device,
+                [c.state_checkpoint for c in chunks])
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -6,8 +6,9 @@
                            (NoStateSlots for models without recurrent layers)
 
 ``allocate()`` answers with everything the step needs from the cache: the request's new blocks,
-how many of the asked tokens may run (a hybrid prefill stops once at its checkpoint), its state
-slot, and the state copies the workers make before the forward pass. A new cache policy (an MTP
+its state slot, and the state copies the workers make before the forward pass; a hybrid
+prefill's mid-chunk checkpoint is read back with ``planned_checkpoint`` once the step is
+scheduled (a live request admitted later in the same step may take its slot). A new cache policy (an MTP
 draft's KV, a sliding window) is a new per-kind manager file plugged in here, not a branch in the
 scheduler (docs/structure.md).
 """
@@ -17,7 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qwenserve.core.cache.paged import PagedKVManager
-from qwenserve.core.cache.state_slots import Copy, NoStateSlots, StateSlotManager
+from qwenserve.core.cache.state_slots import (
+    Copy,
+    NoStateSlots,
+    PlannedCheckpoint,
+    StateSlotManager,
+)
 from qwenserve.request import Request
 
 
@@ -45,7 +51,7 @@ NO_HIT = PrefixHit([], 0)
 @dataclass
 class Allocation:
     new_block_ids: list[int]  # appended to the request's block table (a hit's blocks first)
-    num_tokens: int  # of the asked tokens, how many run this step
+    num_tokens: int  # the asked tokens (all of them run this step)
     state_slot: int | None  # the request's recurrent-state slot (hybrid models)
     state_saves: list[Copy] = field(default_factory=list)  # live -> checkpoint, before forward
     state_restores: list[Copy] = field(default_factory=list)  # checkpoint -> live, after saves
@@ -76,28 +82,29 @@ class CacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None,
                  exact: bool = False) -> Allocation | None:
-        """Make room for up to ``num_new_tokens`` tokens after the computed ones (and after the
+        """Make room for ``num_new_tokens`` tokens after the computed ones (and after the
         prefix ``hit`` of a request being admitted, whose blocks and checkpoint are shared, not
-        copied); ``exact``: all of them (no checkpoint stop: a P/D pull fills them). None when
-        there is no room, in which case nothing changed."""
+        copied); ``exact``: a P/D pull fills them (no forward pass, so no state checkpoint).
+        None when there is no room, in which case nothing changed."""
         start = req.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
-        num_tokens = num_new_tokens if exact else self.states.limit(req, start, num_new_tokens)
         computed = hit.block_ids if hit is not None else []
         checkpoint = hit.checkpoint_slot if hit is not None else None
-        end = start + num_tokens
+        end = start + num_new_tokens
         if self.num_lookahead_tokens:
             end = max(end, min(end + self.num_lookahead_tokens, self.max_model_len or end))
         num_missing = self.kv.num_missing(req, end, computed)
         if num_missing is None or not self.states.acquire(req.request_id, keep=checkpoint):
             return None
-        out = Allocation(self.kv.allocate(req, computed, num_missing), num_tokens,
+        out = Allocation(self.kv.allocate(req, computed, num_missing), num_new_tokens,
                          self.states.get(req.request_id), self.states.drain_saves())
         if hit is not None:
             self.stats.queries += req.num_tokens
             self.stats.hits += hit.num_tokens
         if checkpoint is not None:
             out.state_restores.append(self.states.restore(req.request_id, checkpoint))
-        self._step_tokens[req.request_id] = num_tokens
+        if not exact:
+            self.states.plan_checkpoint(req, start, num_new_tokens, keep=checkpoint)
+        self._step_tokens[req.request_id] = num_new_tokens
         return out
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -105,6 +112,11 @@ class CacheManager:
         cache, and checkpoint its state where a prefill chunk ended on a block boundary."""
         self.kv.cache_full_blocks(req)
         self.states.after_compute(req, self._step_tokens.pop(req.request_id, 0))
+
+    def planned_checkpoint(self, request_id: str) -> PlannedCheckpoint | None:
+        """The state checkpoint this step's kernels save mid-prefill for the request, if any
+        (ask once the step is scheduled)."""
+        return self.states.planned(request_id)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks and its state slot."""

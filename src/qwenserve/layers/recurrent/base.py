@@ -15,6 +15,10 @@ State pools, per Gated DeltaNet layer (allocated by the cache layer, indexed by 
     ssm_state   [num_state_slots, Hv, Dk, Dv]     float32      S of  o_t = S_t^T q_t
                                                              (HF's layout)
 
+Hybrid prefix caching (``GDNMetadata.checkpoints``): a prefill may also leave its states after
+its first n tokens in another slot, written as the kernels pass that point (the scheduler's
+``ScheduledChunk.state_checkpoint``), so that its prefill need not stop there for a copy.
+
 Token-major conv rows make the state update "keep the last K-1 rows" with no transpose. The ssm
 state keeps HF's layout so HF caches and references compare without a transpose; vLLM's Triton
 kernels use the transpose ``[Hv, Dv, Dk]`` (a backend with such a kernel may transpose its pool).
@@ -35,6 +39,20 @@ DEFAULT_CHUNK_SIZE = 64  # HF and fla (Triton) use 64
 
 
 @dataclass(frozen=True)
+class StateCheckpoint:
+    """Request ``request``'s states after its first ``num_tokens`` tokens this step (0 <
+    num_tokens < its token count) are saved into ``slot`` too; ``first_row``, ``live_slot`` and
+    ``has_initial_state`` repeat its layout for the conv's history."""
+
+    request: int
+    first_row: int
+    num_tokens: int
+    live_slot: int
+    has_initial_state: bool
+    slot: int
+
+
+@dataclass(frozen=True)
 class GDNMetadata:
     """Per-step index tensors shared by every Gated DeltaNet layer; built once by the model runner.
 
@@ -50,6 +68,11 @@ class GDNMetadata:
                           step 0       step 1 step 2             = sum(active_per_step[:i]) + p
         prefill_padded_pos[j] = chunk * C + position in chunk, for the j-th prefill token
                                 (p3.2 holds 22 tokens + 42 pad rows, p1.0 5 + 59)
+
+    A prefill with a state checkpoint after n tokens has pad rows after its n-th token up to
+    the chunk boundary, so that a scan step ends there (``checkpoint_steps``); a pad row (zero
+    k, v, beta and log decay) leaves the state as it is. The native kernels read
+    ``prefill_checkpoint_lens`` / ``_slots`` instead (0: none) and split their chunks there.
     """
 
     query_start_loc: torch.Tensor  # [num_reqs + 1] int64
@@ -66,9 +89,13 @@ class GDNMetadata:
     prefill_padded_pos: torch.Tensor  # [num_prefill_tokens] int64, rows in the chunk layout
     chunk_token: torch.Tensor  # [num_chunks * C] int64, packed row feeding each chunk row
     chunk_pad_pos: torch.Tensor  # [num_pad] int64, chunk rows that are padding (zeroed)
+    prefill_checkpoint_lens: torch.Tensor  # [num_prefills] int64, n of its checkpoint or 0
+    prefill_checkpoint_slots: torch.Tensor  # [num_prefills] int64, its slot (0: none)
     active_per_step: tuple[int, ...]  # prefills still running at chunk-scan step i
     num_chunks: int
     chunk_size: int
+    checkpoints: tuple[StateCheckpoint, ...] = ()  # batch order
+    checkpoint_steps: tuple[tuple[int, int, int], ...] = ()  # (scan step, sorted prefill, slot)
 
     @property
     def num_decodes(self) -> int:
@@ -102,26 +129,53 @@ class _PrefillLayout:
     padded_pos: list[int]  # its row in the chunk layout
     chunk_token: list[int]  # packed row feeding each chunk-layout row (0 for padding)
     pad_pos: list[int]  # chunk-layout rows that are padding
+    checkpoint_steps: list[tuple[int, int, int]]  # (scan step ending there, prefill, slot)
 
 
 def _prefill_layout(
-    qsl: list[int], prefills: list[int], chunks: dict[int, int], chunk_size: int
+    qsl: list[int], prefills: list[int], chunks: dict[int, int], chunk_size: int,
+    saves: dict[int, StateCheckpoint],
 ) -> _PrefillLayout:
-    """Place the sorted prefills' tokens in the step-major chunk layout (see ``GDNMetadata``)."""
+    """Place the sorted prefills' tokens in the step-major chunk layout (see ``GDNMetadata``);
+    ``saves``: the checkpoints by request, whose prefills are padded to a chunk boundary
+    after their n-th token."""
     steps = max(chunks.values(), default=0)
     active = [sum(1 for i in prefills if chunks[i] > s) for s in range(steps)]
     step_first = [sum(active[:s]) for s in range(steps)]  # first chunk of each scan step
-    tokens, padded = [], []
+    tokens, padded, checkpoint_steps = [], [], []
     for p, i in enumerate(prefills):
         tokens.extend(range(qsl[i], qsl[i + 1]))
+        cut = saves[i].num_tokens if i in saves else qsl[i + 1] - qsl[i]
+        pad = -cut % chunk_size  # rows skipped after token `cut`
+        if i in saves:
+            checkpoint_steps.append(((cut + pad) // chunk_size - 1, p, saves[i].slot))
         for t in range(qsl[i + 1] - qsl[i]):
-            padded.append((step_first[t // chunk_size] + p) * chunk_size + t % chunk_size)
+            u = t + pad if t >= cut else t
+            padded.append((step_first[u // chunk_size] + p) * chunk_size + u % chunk_size)
     chunk_token = [-1] * (sum(active) * chunk_size)
     for token, pos in zip(tokens, padded, strict=True):
         chunk_token[pos] = token
     pad_pos = [pos for pos, token in enumerate(chunk_token) if token < 0]
     chunk_token = [max(token, 0) for token in chunk_token]
-    return _PrefillLayout(active, tokens, padded, chunk_token, pad_pos)
+    return _PrefillLayout(active, tokens, padded, chunk_token, pad_pos, checkpoint_steps)
+
+
+def _checkpoints(
+    qsl: list[int], slots: list[int], init: list[bool],
+    requested: Sequence[tuple[int, int] | None] | None,
+) -> dict[int, StateCheckpoint]:
+    """The step's ``(n, slot)`` checkpoint requests (batch order, None: none), checked."""
+    out = {}
+    for i, request in enumerate(requested or ()):
+        if request is None:
+            continue
+        n, slot = request
+        if not 0 < n < qsl[i + 1] - qsl[i]:
+            raise ValueError(f"a state checkpoint after {n} tokens of request {i}, which runs "
+                             f"{qsl[i + 1] - qsl[i]} this step (1 .. {qsl[i + 1] - qsl[i] - 1} "
+                             "allowed)")
+        out[i] = StateCheckpoint(i, qsl[i], n, slots[i], bool(init[i]), slot)
+    return out
 
 
 def build_gdn_metadata(
@@ -130,14 +184,18 @@ def build_gdn_metadata(
     has_initial_state: Sequence[bool] | torch.Tensor,
     device: torch.device | str = "cpu",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    checkpoints: Sequence[tuple[int, int] | None] | None = None,
 ) -> GDNMetadata:
-    """Turn the step's host-side request layout into the index tensors the kernels need."""
+    """Turn the step's host-side request layout into the index tensors the kernels need;
+    ``checkpoints``: per request, ``(n, slot)`` to save its states after n tokens, or None."""
     qsl, slots, init = (_host_list(v) for v in (query_start_loc, state_slots, has_initial_state))
     lens = [qsl[i + 1] - qsl[i] for i in range(len(slots))]
+    saves = _checkpoints(qsl, slots, init, checkpoints)
     decodes = [i for i, n in enumerate(lens) if n == 1]
-    chunks = {i: -(-n // chunk_size) for i, n in enumerate(lens) if n > 1}
+    chunks = {i: -(-(n + (-saves[i].num_tokens % chunk_size if i in saves else 0)) // chunk_size)
+              for i, n in enumerate(lens) if n > 1}
     prefills = sorted(chunks, key=lambda i: -chunks[i])  # stable: ties keep batch order
-    layout = _prefill_layout(qsl, prefills, chunks, chunk_size)
+    layout = _prefill_layout(qsl, prefills, chunks, chunk_size, saves)
 
     def ints(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -160,9 +218,14 @@ def build_gdn_metadata(
         prefill_padded_pos=ints(layout.padded_pos),
         chunk_token=ints(layout.chunk_token),
         chunk_pad_pos=ints(layout.pad_pos),
+        prefill_checkpoint_lens=ints([saves[i].num_tokens if i in saves else 0
+                                      for i in prefills]),
+        prefill_checkpoint_slots=ints([saves[i].slot if i in saves else 0 for i in prefills]),
         active_per_step=tuple(layout.active_per_step),
         num_chunks=sum(layout.active_per_step),
         chunk_size=chunk_size,
+        checkpoints=tuple(saves.values()),
+        checkpoint_steps=tuple(layout.checkpoint_steps),
     )
 
 
@@ -182,10 +245,13 @@ class RecurrentBackend(ABC):
         state_slots: Sequence[int] | torch.Tensor,
         has_initial_state: Sequence[bool] | torch.Tensor,
         device: torch.device | str,
+        checkpoints: Sequence[tuple[int, int] | None] | None = None,
     ) -> GDNMetadata:
-        """Once per step, shared by all Gated DeltaNet layers; pass host (CPU) index data."""
+        """Once per step, shared by all Gated DeltaNet layers; pass host (CPU) index data.
+        ``checkpoints``: per request, ``(n, slot)`` (its states after n tokens also go to
+        ``slot``; both kernels must honour them) or None."""
         return build_gdn_metadata(
-            query_start_loc, state_slots, has_initial_state, device, self.chunk_size
+            query_start_loc, state_slots, has_initial_state, device, self.chunk_size, checkpoints
         )
 
     def replay_metadata(self, meta: GDNMetadata) -> GDNMetadata | None:

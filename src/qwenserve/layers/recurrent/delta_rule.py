@@ -11,6 +11,7 @@ per-chunk terms are built for every chunk of every request in one batch; only th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -144,13 +145,15 @@ def chunk_terms(
 
 
 def chunk_scan(
-    terms: ChunkTerms, states: torch.Tensor, active_per_step: tuple[int, ...]
+    terms: ChunkTerms, states: torch.Tensor, active_per_step: tuple[int, ...],
+    after_step: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Carry each request's state across its chunks, all requests together; in place on states.
 
     Requests are sorted longest first and chunks laid out step-major (``GDNMetadata``), so at
     step i the running requests are the first ``active_per_step[i]`` and their chunks one
-    contiguous block. states [R, H, Dk, Dv] -> (o [N, H, C, Dv], final states).
+    contiguous block. states [R, H, Dk, Dv] -> (o [N, H, C, Dv], final states);
+    ``after_step(i, states)`` sees them after each step i (state checkpoints).
     """
     num_chunks, heads, chunk_size, dv = terms.u.shape
 
@@ -159,7 +162,7 @@ def chunk_scan(
 
     out = terms.u.new_empty(num_chunks, heads, chunk_size, dv)  # [N, H, C, Dv]
     first = 0
-    for n in active_per_step:
+    for step, n in enumerate(active_per_step):
         s = flat(states, n)  # [n*H, Dk, Dv] view: updated in place below
         v_new = torch.baddbmm(flat(terms.u, n, first), flat(terms.w, n, first), s, alpha=-1)
         o = flat(out, n, first)
@@ -168,6 +171,8 @@ def chunk_scan(
         s.mul_(flat(terms.chunk_decay, n, first)[..., None, None])
         s.baddbmm_(flat(terms.k_dec, n, first).mT, v_new)
         first += n
+        if after_step is not None:
+            after_step(step, states)
     return out, states
 
 

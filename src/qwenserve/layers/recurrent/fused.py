@@ -38,6 +38,7 @@ from qwenserve.layers.recurrent.torch_ref import (
     causal_conv1d_varlen,
     chunked_prefill,
     decode_rows,
+    save_conv_checkpoints,
 )
 from qwenserve.native import load_library
 from qwenserve.native.attention import heads_rows
@@ -59,7 +60,8 @@ class _ChunkArgs(ctypes.Structure):
     _fields_ = [("q", _P), ("k", _P), ("v", _P), ("q_stride", _I), ("k_stride", _I),
                 ("v_stride", _I), ("g", _P), ("beta", _P), ("pool", _P), ("out", _P),
                 ("starts", _P), ("lens", _P), ("slots", _P), ("has_init", _P),
-                ("num_prefills", _I), ("Hk", _I), ("Hv", _I), ("Dk", _I), ("Dv", _I), ("C", _I)]
+                ("checkpoint_lens", _P), ("checkpoint_slots", _P), ("num_prefills", _I),
+                ("Hk", _I), ("Hv", _I), ("Dk", _I), ("Dv", _I), ("C", _I)]
 
 
 class NativeGDN:
@@ -157,7 +159,8 @@ class NativeGDN:
     def chunk_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, pool: torch.Tensor, meta: GDNMetadata,
                       out: torch.Tensor, chunk_size: int) -> None:
-        """Every prefill of the step (``meta.prefill_*``) in chunks of ``chunk_size``: q, k
+        """Every prefill of the step (``meta.prefill_*``) in chunks of ``chunk_size`` (one cut
+        short where a state checkpoint is saved, ``meta.prefill_checkpoint_*``): q, k
         [T, Hk, Dk], v [T, Hv, Dv] as the conv left them (q/k not yet normalised), g/beta
         [T, Hv]; reads and writes the pool in place and the prefills' rows of out [T, Hv, Dv]
         (contiguous, q's dtype)."""
@@ -165,11 +168,13 @@ class NativeGDN:
         g, beta = g.float().contiguous(), beta.float().contiguous()
         ints = [t.to(torch.int64).contiguous() for t in
                 (meta.prefill_starts, meta.prefill_lens, meta.prefill_slots)]
+        saves = [t.to(torch.int64).contiguous() for t in
+                 (meta.prefill_checkpoint_lens, meta.prefill_checkpoint_slots)]
         init = _bytes(meta.prefill_has_init)
         args = _ChunkArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
                           v.stride(0), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
                           out.data_ptr(), *(t.data_ptr() for t in ints), init.data_ptr(),
-                          meta.num_prefills, q.shape[1], v.shape[1], q.shape[2], v.shape[2],
+                          *(t.data_ptr() for t in saves), meta.num_prefills, q.shape[1], v.shape[1], q.shape[2], v.shape[2],
                           chunk_size)
         if self._chunk(ctypes.byref(args), _DTYPE_CODES[q.dtype], self.pool_codes[pool.dtype]):
             raise ValueError(f"gdn_chunk: unsupported shapes q {tuple(q.shape)}, "
@@ -307,6 +312,7 @@ class FusedRecurrentBackend(RecurrentBackend):
         meta: GDNMetadata,
         activation: str | None = "silu",
     ) -> torch.Tensor:
+        save_conv_checkpoints(x, conv_state, meta)
         ops = native_ops()
         if ops is None or not ops.supports_conv(x, conv_state) \
                 or activation not in (None, "silu", "swish"):

@@ -80,6 +80,20 @@ def causal_conv1d_varlen(
     return _ACTIVATIONS[activation](acc).to(x.dtype)
 
 
+def save_conv_checkpoints(x: torch.Tensor, conv_state: torch.Tensor, meta: GDNMetadata) -> None:
+    """The conv states of ``meta.checkpoints``: each the last K-1 raw rows before its point
+    (from the request's stored history where it has fewer tokens before it). Call before the
+    conv, which overwrites the live slots' history."""
+    hist = conv_state.shape[1]
+    for c in meta.checkpoints:
+        rows = x[c.first_row : c.first_row + c.num_tokens]
+        if c.num_tokens < hist:
+            before = conv_state[c.live_slot] if c.has_initial_state \
+                else conv_state.new_zeros(conv_state.shape[1:])
+            rows = torch.cat([before.to(x.dtype), rows])
+        conv_state[c.slot] = rows[rows.shape[0] - hist :].to(conv_state.dtype)
+
+
 def _initial_states(
     pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor
 ) -> torch.Tensor:
@@ -125,7 +139,14 @@ def chunked_prefill(
     pad_rows = chunk_rows(meta.chunk_pad_pos, heads, chunk_size)  # [num_pad * H]
     packed = (pack_chunks(t, rows, pad_rows, chunk_size) for t in qkvgb)
     states = _initial_states(pool, meta.prefill_slots, meta.prefill_has_init)
-    o, states = chunk_scan(chunk_terms(*packed), states, meta.active_per_step)  # o [N, H, C, Dv]
+
+    def save_checkpoints(step: int, states: torch.Tensor) -> None:
+        for at, prefill, slot in meta.checkpoint_steps:
+            if at == step:
+                pool[slot] = states[prefill].to(pool.dtype)
+
+    o, states = chunk_scan(chunk_terms(*packed), states, meta.active_per_step,
+                           save_checkpoints if meta.checkpoint_steps else None)  # o [N,H,C,Dv]
     dest = rows.index_fill(0, pad_rows, out_rows.shape[0] - 1)  # padding -> the dump row
     out_rows.index_copy_(0, dest, o.view(-1, o.shape[-1]))
     pool.index_copy_(0, meta.prefill_slots, states.to(pool.dtype))
@@ -175,6 +196,7 @@ class TorchRefRecurrentBackend(RecurrentBackend):
         meta: GDNMetadata,
         activation: str | None = "silu",
     ) -> torch.Tensor:
+        save_conv_checkpoints(x, conv_state, meta)
         return causal_conv1d_varlen(
             x,
             weight,

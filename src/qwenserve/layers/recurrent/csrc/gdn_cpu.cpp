@@ -496,6 +496,8 @@ void gemm(const Gemm& g, int64_t m, int64_t n, int64_t k) {
 // One call: the prefills of a varlen step (sorted longest first, so that dynamic scheduling
 // starts the long tasks first). q, k [T, Hk, Dk] and v [T, Hv, Dv]: rows of the given strides,
 // heads contiguous; g, beta [T, Hv] contiguous f32; pool [S, Hv, Dk, Dv]; out [T, Hv, Dv].
+// checkpoint_lens[r] > 0: prefill r's state after that many tokens is also stored in pool slot
+// checkpoint_slots[r] (hybrid prefix caching; its chunk there is cut short).
 struct ChunkArgs {
   const void *q, *k, *v;
   int64_t q_stride, k_stride, v_stride;
@@ -504,6 +506,7 @@ struct ChunkArgs {
   void* out;
   const int64_t *starts, *lens, *slots;
   const uint8_t* has_init;
+  const int64_t *checkpoint_lens, *checkpoint_slots;
   int64_t num_prefills, Hk, Hv, Dk, Dv, C;
 };
 
@@ -657,20 +660,32 @@ void chunk_scan(Workspace& w, int64_t n, int64_t C, int64_t Dk, int64_t Dv) {
   }
 }
 
+template <typename PT>
+inline typename PT::T* state_of(const ChunkArgs& a, int64_t slot, int64_t h) {
+  return static_cast<typename PT::T*>(a.pool) + (slot * a.Hv + h) * a.Dk * a.Dv;
+}
+
 template <typename DT, typename PT>
 void chunk_task(const ChunkArgs& a, Workspace& w, int64_t r, int64_t h) {
-  const int64_t Dk = a.Dk, Dv = a.Dv, C = a.C;
-  typename PT::T* slot = static_cast<typename PT::T*>(a.pool) + (a.slots[r] * a.Hv + h) * Dk * Dv;
+  const int64_t Dk = a.Dk, Dv = a.Dv, C = a.C, len = a.lens[r];
+  const int64_t checkpoint = a.checkpoint_lens[r];  // 0: none
+  typename PT::T* slot = state_of<PT>(a, a.slots[r], h);
   for (int64_t i = 0; i < Dk * Dv; ++i) w.S[i] = a.has_init[r] ? PT::load(slot[i]) : 0.0f;
   auto* out = static_cast<typename DT::T*>(a.out);
-  for (int64_t c0 = 0; c0 < a.lens[r]; c0 += C) {
-    const int64_t n = std::min(C, a.lens[r] - c0), t0 = a.starts[r] + c0;
-    pack_chunk<DT>(a, w, t0, n, a.starts[r] + a.lens[r], h);
+  for (int64_t c0 = 0; c0 < len;) {
+    const int64_t n = std::min(C, (c0 < checkpoint ? checkpoint : len) - c0);
+    const int64_t t0 = a.starts[r] + c0;
+    pack_chunk<DT>(a, w, t0, n, a.starts[r] + len, h);
     chunk_terms(w, n, C, Dk, Dv);
     chunk_scan(w, n, C, Dk, Dv);
     for (int64_t t = 0; t < n; ++t) {
       typename DT::T* row = out + ((t0 + t) * a.Hv + h) * Dv;
       for (int64_t d = 0; d < Dv; ++d) row[d] = DT::store(w.O[t * Dv + d]);
+    }
+    c0 += n;
+    if (c0 == checkpoint) {
+      typename PT::T* saved = state_of<PT>(a, a.checkpoint_slots[r], h);
+      for (int64_t i = 0; i < Dk * Dv; ++i) saved[i] = PT::store(w.S[i]);
     }
   }
   for (int64_t i = 0; i < Dk * Dv; ++i) slot[i] = PT::store(w.S[i]);
