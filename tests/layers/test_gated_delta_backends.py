@@ -436,18 +436,21 @@ def test_gating_matches_the_reference(backend, dtype) -> None:
 
 
 # ---- state checkpoints (hybrid prefix caching): states saved mid-prefill ---------------------
-@pytest.mark.parametrize("native_chunk", [None, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_state_checkpoints_equal_the_states_of_a_prefill_cut_there(backend, native_chunk,
-                                                                   dtype) -> None:
+def test_state_checkpoints_equal_the_states_of_a_prefill_cut_there(backend, dtype) -> None:
     """Prefills asked to save their states after n tokens (n on and off the kernels' chunk
     boundaries, fresh and continuing requests, beside decodes): the slot named gets exactly the
     SSM state of those n tokens and the conv's last K-1 raw rows before them (from the stored
     history where n < K-1), and the outputs and final states are the recurrence's as without."""
-    if native_chunk is not None:
-        if backend.name != "fused" or fused_module.native_ops() is None:
-            pytest.skip("the C++ prefill's own chunk sizes")
-        backend.native_chunk_size = native_chunk
+    check_state_checkpoints(backend, dtype)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_state_checkpoints_at_every_native_chunk_size(chunk_size) -> None:
+    check_state_checkpoints(native_fused(chunk_size), torch.float32)
+
+
+def check_state_checkpoints(backend: RecurrentBackend, dtype: torch.dtype) -> None:
     lens = [40, 1, 70, 2, 33, 5]
     slots = [1, 2, 3, 4, 5, 6]
     has_init = [False, True, True, False, True, True]
