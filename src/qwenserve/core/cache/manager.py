@@ -8,9 +8,9 @@
 ``allocate()`` answers with everything the step needs from the cache: the request's new blocks,
 its state slot, and the state copies the workers make before the forward pass; a hybrid
 prefill's mid-chunk checkpoint is read back with ``planned_checkpoint`` once the step is
-scheduled (a live request admitted later in the same step may take its slot). A new cache policy (an MTP
-draft's KV, a sliding window) is a new per-kind manager file plugged in here, not a branch in the
-scheduler (docs/structure.md).
+scheduled (a live request admitted later in the same step may take its slot). A new cache
+policy (an MTP draft's KV, a sliding window) is a new per-kind manager file plugged in here, not
+a branch in the scheduler (docs/structure.md).
 """
 
 from __future__ import annotations

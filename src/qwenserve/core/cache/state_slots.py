@@ -22,8 +22,8 @@ The checkpoint rules live here too, behind the ``CacheManager`` facade:
   turn) then skips all of it but the tail. The reserved slot leaves the idle queue until the
   step is done (``after_compute`` registers it), and goes back unregistered if the request is
   preempted or finished first, or if a live request needs it (live requests outrank
-  checkpoints). Until 2026-12 the prefill stopped at that position for one extra small step
-  instead: ~3% of an offline Qwen3.5 run.
+  checkpoints). Until 2026-12 the prefill stopped at that position instead, which cost one
+  extra small step per prompt (~0.7% of an offline Qwen3.5 run, docs/benchmarks.md).
 - ``after_compute``: a prefill chunk that ended on a block boundary reserves a checkpoint slot;
   the copy (live slot -> checkpoint) goes out with the next step's allocation, and the workers
   make it before that step's forward pass, when the live slot still holds that state. Copies
