@@ -3,9 +3,10 @@
 Two engines on the same random-weight model of ``--shape`` (bf16 by default), one with prefix
 caching (the default) and one without, run the vs-vLLM workload (``--requests`` prompts of
 ``--prompt-len`` random tokens, ``--output-len`` greedy tokens) in alternating rounds, the cache
-reset before each, after one untimed round each (the first round of a process pays for first
-touches: the "on" engine's checkpoints land in state slots no sequence has used yet, 18 MB each
-on this shape). Prints each round's time, the medians, and one round's step layout per engine
+reset before each, after one untimed round each. ``--touch-kv`` writes the whole KV pool of both
+engines first: it is allocated uninitialised, and the "on" engine's LRU eviction walks through
+blocks no request has used yet (page faults) for many rounds, where "off" reuses the same ones.
+Prints each round's time, the medians, and one round's step layout per engine
 (prefill steps with their prompt tokens and decodes, and the decode-only steps): a hybrid model's
 state checkpoints must not add steps (docs/benchmarks.md, "hybrid checkpoints saved mid-chunk").
 
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--touch-kv", action="store_true", help="write every KV page before timing")
     args = p.parse_args()
     path = shaped_model(args.shape)
     rng = random.Random(0)
@@ -71,6 +73,9 @@ def main() -> None:
     engines = {name: LLM(path, dtype=args.dtype, max_model_len=1024,
                          enable_prefix_caching=name == "on") for name in ("on", "off")}
     for llm in engines.values():
+        if args.touch_kv:
+            for kv in llm.llm_engine.executor.worker.runner.caches.kv.values():
+                kv.zero_()
         llm.generate(prompts, params)
     times: dict[str, list[float]] = {name: [] for name in engines}
     layouts: dict[str, list[tuple[int, int, float]]] = {}
