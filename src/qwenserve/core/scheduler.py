@@ -249,7 +249,7 @@ class Scheduler:
         """The request's chunk, and the state copies its allocation asks the workers for."""
         out.state_saves += alloc.state_saves
         out.state_restores += alloc.state_restores
-        drafts = (drafts or [])[: alloc.num_tokens - 1]
+        drafts = drafts or []
         # A new request's blocks travel in its NewRequestData; a running one's as an increment.
         chunk = self._chunk(req, alloc.num_tokens, [] if new_request else alloc.new_block_ids,
                             drafts)

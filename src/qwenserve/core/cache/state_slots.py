@@ -121,12 +121,12 @@ class StateSlotManager:
         if request_id in self.req_to_slot:
             return True
         slot = next((s for s in self.idle if s != keep), None)
-        if slot is None and self.planned_checkpoints:  # a live request outranks a checkpoint
-            _, planned = self.planned_checkpoints.popitem()
-            self.idle[slot := planned.slot] = None
-        if slot is None:
+        if slot is not None:
+            del self.idle[slot]
+        elif self.planned_checkpoints:  # a live request outranks a checkpoint not written yet
+            slot = self.planned_checkpoints.popitem()[1].slot  # out of the idle queue already
+        else:
             return False
-        del self.idle[slot]
         self._forget_checkpoint(slot)
         # A live request outranks a checkpoint not copied yet: drop that save.
         self.pending_saves = [c for c in self.pending_saves if c[1] != slot]

@@ -40,16 +40,20 @@ DEFAULT_CHUNK_SIZE = 64  # HF and fla (Triton) use 64
 
 @dataclass(frozen=True)
 class StateCheckpoint:
-    """Request ``request``'s states after its first ``num_tokens`` tokens this step (0 <
-    num_tokens < its token count) are saved into ``slot`` too; ``first_row``, ``live_slot`` and
+    """A request's states after its first ``num_tokens`` tokens this step (0 < num_tokens < its
+    token count) are saved into ``slot`` too; ``first_row``, ``live_slot`` and
     ``has_initial_state`` repeat its layout for the conv's history."""
 
-    request: int
     first_row: int
     num_tokens: int
     live_slot: int
     has_initial_state: bool
     slot: int
+
+    def pad(self, chunk_size: int) -> int:
+        """Rows the reference's chunk layout skips after the checkpoint, up to a chunk
+        boundary."""
+        return -self.num_tokens % chunk_size
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,9 @@ def _prefill_layout(
     tokens, padded, checkpoint_steps = [], [], []
     for p, i in enumerate(prefills):
         tokens.extend(range(qsl[i], qsl[i + 1]))
-        cut = saves[i].num_tokens if i in saves else qsl[i + 1] - qsl[i]
-        pad = -cut % chunk_size  # rows skipped after token `cut`
+        cut, pad = qsl[i + 1] - qsl[i], 0  # no checkpoint: no rows skipped
         if i in saves:
+            cut, pad = saves[i].num_tokens, saves[i].pad(chunk_size)
             checkpoint_steps.append(((cut + pad) // chunk_size - 1, p, saves[i].slot))
         for t in range(qsl[i + 1] - qsl[i]):
             u = t + pad if t >= cut else t
@@ -174,7 +178,7 @@ def _checkpoints(
             raise ValueError(f"a state checkpoint after {n} tokens of request {i}, which runs "
                              f"{qsl[i + 1] - qsl[i]} this step (1 .. {qsl[i + 1] - qsl[i] - 1} "
                              "allowed)")
-        out[i] = StateCheckpoint(i, qsl[i], n, slots[i], bool(init[i]), slot)
+        out[i] = StateCheckpoint(qsl[i], n, slots[i], bool(init[i]), slot)
     return out
 
 
@@ -192,7 +196,7 @@ def build_gdn_metadata(
     lens = [qsl[i + 1] - qsl[i] for i in range(len(slots))]
     saves = _checkpoints(qsl, slots, init, checkpoints)
     decodes = [i for i, n in enumerate(lens) if n == 1]
-    chunks = {i: -(-(n + (-saves[i].num_tokens % chunk_size if i in saves else 0)) // chunk_size)
+    chunks = {i: -(-(n + (saves[i].pad(chunk_size) if i in saves else 0)) // chunk_size)
               for i, n in enumerate(lens) if n > 1}
     prefills = sorted(chunks, key=lambda i: -chunks[i])  # stable: ties keep batch order
     layout = _prefill_layout(qsl, prefills, chunks, chunk_size, saves)

@@ -174,8 +174,8 @@ class NativeGDN:
         args = _ChunkArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
                           v.stride(0), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
                           out.data_ptr(), *(t.data_ptr() for t in ints), init.data_ptr(),
-                          *(t.data_ptr() for t in saves), meta.num_prefills, q.shape[1], v.shape[1], q.shape[2], v.shape[2],
-                          chunk_size)
+                          *(t.data_ptr() for t in saves), meta.num_prefills, q.shape[1],
+                          v.shape[1], q.shape[2], v.shape[2], chunk_size)
         if self._chunk(ctypes.byref(args), _DTYPE_CODES[q.dtype], self.pool_codes[pool.dtype]):
             raise ValueError(f"gdn_chunk: unsupported shapes q {tuple(q.shape)}, "
                              f"v {tuple(v.shape)}, chunk size {chunk_size}")

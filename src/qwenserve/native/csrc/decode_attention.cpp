@@ -462,9 +462,9 @@ inline void prefetch_lines_l2(const uint16_t* p, int64_t values) {
 // evicts the cache from L3: 64 x ~330-token contexts x 24 layers, replayed decode steps, lower
 // in each of 12 alternating pairs of runs, 12.7-14.3 -> 11.9-13.4 ms (median gain ~0.7 ms; 3
 // groups ahead 12.7, 6 12.3-12.4, 16 12.3-12.4; the first groups all at once at the start, or
-// one block-table lookup a row: no better than none). Only for rows of up to 256 bytes: Qwen3.5's 1 KB rows (two KV heads of
-// 256), whose lines the hardware prefetchers stream once a row is touched, measured 0.4-1.0 ms
-// slower with it (6 layers, 11.8-12.3 -> 12.7-12.8 ms).
+// one block-table lookup a row: no better than none). Only for rows of up to 256 bytes:
+// Qwen3.5's 1 KB rows (two KV heads of 256), whose lines the hardware prefetchers stream once a
+// row is touched, measured 0.4-1.0 ms slower with it (6 layers, 11.8-12.3 -> 12.7-12.8 ms).
 constexpr int64_t kL2Ahead = 10;
 
 // KV heads h0 .. h1-1 of one sequence, (h1 - h0) * group <= 16 query heads. block_size % 16 ==
