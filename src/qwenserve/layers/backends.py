@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from qwenserve.layers.attention import AttentionBackend, get_attention_backend
 from qwenserve.layers.native_gemm import (
     GateUpSiluFn,
+    GreedyHeadFn,
     amx_gate_up_silu,
+    amx_greedy_head,
     with_amx_gemm,
     with_native_gemm,
 )
@@ -113,6 +115,9 @@ class Backends:
     # an unquantized MLP's gate_up GEMM and SiLU-and-mul in one kernel, for the calls it takes
     # (returns None for the rest); None: the GEMM, then ``elementwise``'s SiLU-and-mul
     gate_up_silu: GateUpSiluFn | None = None
+    # a greedy step's LM head and argmax in one kernel, for the calls it takes (returns None for
+    # the rest); None: the logits, then the sampler
+    greedy_head: GreedyHeadFn | None = None
 
     @classmethod
     def for_platform(cls, platform: Platform) -> Backends:
@@ -129,6 +134,8 @@ class Backends:
             # them)
             gate_up_silu=amx_gate_up_silu(platform.bf16_skinny_gemm_max_rows + 1,
                                           platform.amx_gemm_max_rows),
+            greedy_head=amx_greedy_head(platform.bf16_skinny_gemm_max_rows + 1,
+                                        platform.amx_gemm_max_rows),
         )
 
     @classmethod

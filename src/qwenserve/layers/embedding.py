@@ -20,6 +20,7 @@ from torch import nn
 
 from qwenserve.distributed.parallel_group import SINGLE, ParallelGroup
 from qwenserve.layers.linear import copy_checked
+from qwenserve.layers.native_gemm import GreedyHeadFn
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -67,9 +68,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  tp: ParallelGroup = SINGLE, tie_to: VocabParallelEmbedding | None = None,
-                 float_linear: Callable[..., torch.Tensor] = F.linear):
+                 float_linear: Callable[..., torch.Tensor] = F.linear,
+                 greedy_head: GreedyHeadFn | None = None):
         super().__init__(vocab_size, hidden_size, dtype, tp)
         self.float_linear = float_linear  # the platform's float GEMM (``Backends.float_linear``)
+        self.greedy_head = greedy_head  # ``Backends.greedy_head``
         if tie_to is not None:
             self.weight = tie_to.weight
 
@@ -79,6 +82,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         them, the model's dtype, or float32 for an int8 head)."""
         logits = self.tp.all_gather(self.local_logits(hidden), dim=-1)
         return logits if dtype is None else logits.to(dtype)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, H] -> [n] int64: ``compute_logits(hidden, None).argmax(-1)`` (the first of equal
+        maxima) from the platform's fused kernel, without the [n, V] logits; None where it
+        does not take the call (no kernel, an int8 table, a vocabulary split over ranks: the
+        gather's collective must run on every rank)."""
+        if self.greedy_head is None or self.weight_scale is not None or self.tp.world_size != 1:
+            return None
+        return self.greedy_head(hidden, self.weight)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits (the GEMM alone, no collective)."""

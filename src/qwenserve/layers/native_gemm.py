@@ -25,6 +25,9 @@ LinearFn = Callable[..., torch.Tensor]
 # (x [..., K], the merged [gate | up] weight [2I, K], its bias [2I] or None) -> silu(gate) * up
 # [..., I], or None where the fused kernel does not take the call
 GateUpSiluFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
+# (hidden [n, K], the LM head's weight [V, K]) -> [n] int64, the argmax of the logits the head's
+# float GEMM gives, or None where the fused kernel does not take the call
+GreedyHeadFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 @functools.cache
@@ -85,4 +88,24 @@ def _fused_window(kernel: Bgemm, min_rows: int, max_rows: int, x: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     if _takes(kernel, min_rows, max_rows, x, weight, bias):
         return kernel.silu_mul(x, weight, bias)
+    return None
+
+
+@functools.cache
+def amx_greedy_head(min_rows: int, max_rows: int) -> GreedyHeadFn | None:
+    """A greedy step's LM head as one AMX kernel for bf16 calls of ``min_rows`` to ``max_rows``
+    rows (``Bgemm.argmax``: the token ids the GEMM and an argmax give, without writing the
+    [rows, vocab] logits and reading them back), or None where there is no AMX kernel. The rows
+    are those ``with_amx_gemm`` sends to the same GEMM, so the logits it ranks are bit for bit
+    the ones the sampler would see."""
+    kernel = bgemm() if max_rows > 0 else None
+    if kernel is None:
+        return None
+    return functools.partial(_greedy_window, kernel, min_rows, max_rows)
+
+
+def _greedy_window(kernel: Bgemm, min_rows: int, max_rows: int, x: torch.Tensor,
+                   weight: torch.Tensor) -> torch.Tensor | None:
+    if _takes(kernel, min_rows, max_rows, x, weight, None):
+        return kernel.argmax(x, weight)
     return None

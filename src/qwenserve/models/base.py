@@ -2,6 +2,7 @@
 
 A model is built from a ``ModelContext`` (config, dtype, parallel group, backends) and exposes
 ``forward(input_ids, positions, batch, caches: ModelCaches) -> hidden``, ``compute_logits(hidden)``,
+``greedy_tokens(hidden)`` (a greedy step's tokens without logits, where the platform can),
 ``load_weights(weights)`` and the classmethod ``cache_specs(hf_config, tp_size, kv_dtype_bytes,
 ssm_dtype_bytes)``. The worker sees a model only through these two protocols.
 """
@@ -74,6 +75,12 @@ class CausalLM(Protocol):
                        dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] logits (gathered over tensor-parallel ranks) in ``dtype``;
         None: the LM head's own (the sampler widens them only where it must)."""
+        ...
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden] -> [n] int64, ``compute_logits(hidden, None).argmax(-1)`` bit for bit
+        (the first of equal maxima) where the platform's fused LM head takes the call, without
+        the [n, vocab] logits (a greedy step's sampler needs no more); None elsewhere."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None: ...

@@ -221,7 +221,8 @@ class DenseForCausalLM(nn.Module):
         cfg = ctx.hf_config
         return ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp,
                               tie_to=self.model.embed_tokens if self.tie else None,
-                              float_linear=ctx.backends.float_linear)
+                              float_linear=ctx.backends.float_linear,
+                              greedy_head=ctx.backends.greedy_head)
 
     def make_decoder(self, ctx: ModelContext) -> DecoderModel:
         switches = self.switches(ctx.hf_config)
@@ -250,6 +251,9 @@ class DenseForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor,
                        dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden, dtype)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None if self.lm_head is None else self.lm_head.greedy_tokens(hidden)
 
     def allocate_state(self, num_state_slots: int, device: torch.device
                        ) -> list[RecurrentState]:

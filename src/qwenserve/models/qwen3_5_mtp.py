@@ -95,6 +95,9 @@ class Qwen3_5MTP(nn.Module):
                        dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         return self.target.compute_logits(hidden, dtype)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.target.greedy_tokens(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """``weights``: the checkpoint's ``mtp.*`` tensors (any others are ignored)."""
         blocks = {"layers.0.mlp.": self.layers[0].mlp} \

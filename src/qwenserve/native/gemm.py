@@ -159,6 +159,14 @@ class _RowMajorGemm:
     def _run(self, fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor,
              bias: torch.Tensor | None, width: int) -> torch.Tensor:
         """``fn(y, x, w, bias, M, width, K, ldx)`` into a new [..., width] y."""
+        out = torch.empty(x.numel() // w.shape[1], width, dtype=self.dtype)
+        self._launch(fn, out, x, w, bias, width)
+        return out.view(*x.shape[:-1], width)
+
+    def _launch(self, fn: ctypes._CFuncPtr, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                bias: torch.Tensor | None, width: int) -> None:
+        """``fn(out, x, w, bias, M, width, K, ldx)``, x's rows in place where their layout lets
+        the kernel read them; a non-zero status raises."""
         k = w.shape[1]
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1 or x2.stride(0) < k:
@@ -166,14 +174,12 @@ class _RowMajorGemm:
         if bias is not None:
             bias = bias.contiguous()
             assert bias.dtype == self.dtype and bias.numel() == w.shape[0]
-        out = torch.empty(x2.shape[0], width, dtype=self.dtype)
         status = fn(out.data_ptr(), x2.data_ptr(), w.data_ptr(),
                     None if bias is None else bias.data_ptr(), x2.shape[0], width, k,
                     x2.stride(0))
         if status:
             raise ValueError(f"{fn.__name__}: status {status} for x {tuple(x.shape)}, "
                              f"w {tuple(w.shape)} ({self.statuses})")
-        return out.view(*x.shape[:-1], width)
 
 
 class Sgemm(_RowMajorGemm):
@@ -204,9 +210,11 @@ class Bgemm(_RowMajorGemm):
     dtype = torch.bfloat16
     statuses = "1: a shape it does not take, 2: no AMX, 3: out of memory"
 
-    def __init__(self, fn: ctypes._CFuncPtr, silu_mul_fn: ctypes._CFuncPtr) -> None:
+    def __init__(self, fn: ctypes._CFuncPtr, silu_mul_fn: ctypes._CFuncPtr,
+                 argmax_fn: ctypes._CFuncPtr) -> None:
         super().__init__(fn)
         self._silu_mul = _row_major_entry(silu_mul_fn)
+        self._argmax = _row_major_entry(argmax_fn)
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """As the base's, with N and K multiples of 32 (the kernel's tiles)."""
@@ -219,6 +227,16 @@ class Bgemm(_RowMajorGemm):
         GEMM and elementwise.cpp's SiLU-and-mul give in turn. Takes the pairs ``supports``
         accepts (2I a multiple of 32)."""
         return self._run(self._silu_mul, x, w, bias, w.shape[0] // 2)
+
+    def argmax(self, x: torch.Tensor, w: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A greedy LM head in one kernel: x [n, K], w [V, K] contiguous, bias [V] or None ->
+        [n] int64, ``(x @ w.T + bias).argmax(-1)`` of this GEMM's bf16 logits (the first of
+        equal maxima, NaN passed over) without the [n, V] logits. Takes the pairs ``supports``
+        accepts."""
+        tokens = torch.empty(x.numel() // w.shape[1], dtype=torch.int64)
+        self._launch(self._argmax, tokens, x, w, bias, w.shape[0])
+        return tokens.view(x.shape[:-1])
 
 
 def _amx_library(name: str, available: str, not_used: str) -> ctypes.CDLL | None:
@@ -242,7 +260,8 @@ def bgemm() -> Bgemm | None:
     lib = _amx_library("bgemm", "bgemm_bf16_available",
                        "bf16 AMX GEMM not used: no AMX tiles for this process (CPU, compiler or "
                        "kernel permission); small bf16 batches use the platform GEMM")
-    return None if lib is None else Bgemm(lib.bgemm_bf16, lib.bgemm_bf16_silu_mul)
+    return None if lib is None else Bgemm(lib.bgemm_bf16, lib.bgemm_bf16_silu_mul,
+                                          lib.bgemm_bf16_argmax)
 
 
 class Igemm:

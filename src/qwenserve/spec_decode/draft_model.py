@@ -24,7 +24,7 @@ from qwenserve.layers.attention.base import AttentionBackend, ChunkLayout
 from qwenserve.layers.caches import ModelCaches
 from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.models.base import CausalLM
-from qwenserve.spec_decode.proposer import RequestTokens, too_many
+from qwenserve.spec_decode.proposer import RequestTokens, greedy_drafts, too_many
 
 
 class DraftModelProposer:
@@ -70,6 +70,6 @@ class DraftModelProposer:
                 logits_indices=torch.arange(len(active), device=self.device),
             )
             hidden = self.model(batch.input_ids, batch.positions, batch, self.caches)
-            for rid, token in zip(active, self.model.compute_logits(hidden).argmax(-1).tolist()):
+            for rid, token in zip(active, greedy_drafts(self.model, hidden)):
                 drafts[rid].append(token)
         return {rid: d for rid, d in drafts.items() if d}

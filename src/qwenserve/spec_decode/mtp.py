@@ -35,7 +35,7 @@ from qwenserve.layers.forward_batch import ForwardBatch
 from qwenserve.layers.moe import run_idle_moe
 from qwenserve.models.eagle3 import Eagle3Head
 from qwenserve.models.qwen3_5_mtp import Qwen3_5MTP
-from qwenserve.spec_decode.proposer import RequestTokens, too_many
+from qwenserve.spec_decode.proposer import RequestTokens, greedy_drafts, too_many
 
 
 class MtpProposer:
@@ -115,7 +115,7 @@ class MtpProposer:
                requests: Mapping[str, RequestTokens]) -> list[int]:
         """Draft ``step`` of each request from the head's output rows: the LM head's argmax
         (the tests' rigged head overrides this to propose the target's own continuation)."""
-        return self.head.compute_logits(rows).argmax(-1).tolist()
+        return greedy_drafts(self.head, rows)
 
     @staticmethod
     def _position(state: RequestTokens) -> int:

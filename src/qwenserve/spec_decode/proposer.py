@@ -39,6 +39,22 @@ class Proposer(Protocol):
         """Draft tokens per request id (requests without a proposal may be left out)."""
 
 
+class VocabularyHead(Protocol):
+    """A model's LM head as a drafter reads it (a ``CausalLM``, the MTP head)."""
+
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = ...) -> torch.Tensor: ...
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
+
+
+def greedy_drafts(head: VocabularyHead, rows: torch.Tensor) -> list[int]:
+    """Each row's most likely next token: the platform's fused greedy LM head where it takes
+    the rows (no [rows, vocab] logits), else the logits' argmax (the same tokens)."""
+    tokens = head.greedy_tokens(rows)
+    return (tokens if tokens is not None else head.compute_logits(rows).argmax(-1)).tolist()
+
+
 def too_many(request_ids: list[str], disable_by_batch_size: int | None) -> bool:
     """The scheduler drops drafts at this batch size (``disable_by_batch_size``): skip them."""
     return disable_by_batch_size is not None and len(request_ids) >= disable_by_batch_size

@@ -29,7 +29,13 @@ from qwenserve.worker.decode_replay import DecodeReplays
 from qwenserve.worker.dp_passes import LockstepPasses
 from qwenserve.worker.mm_inputs import EncoderCache, RequestImages, build_mm_batch
 from qwenserve.worker.pooler import TokenOutputs, pool, score_tokens
-from qwenserve.worker.sampler import SampledToken, SamplingRow, prompt_logprobs, sample
+from qwenserve.worker.sampler import (
+    SampledToken,
+    SamplingRow,
+    plain_greedy,
+    prompt_logprobs,
+    sample,
+)
 
 # Rows of prompt logits scored at once: [rows, vocab] fp32 stays ~150 MB at a 152k vocabulary.
 PROMPT_LOGPROBS_ROWS = 256
@@ -152,12 +158,15 @@ class ModelRunner:
             return self._pooled(chunks, hidden[batch.logits_indices])
         if self.proposer is not None:
             self.proposer.forward(batch, hidden, chunks)
-        # in the LM head's dtype: the sampler widens them to float32 only where a step needs it
-        logits = self.model.compute_logits(hidden[batch.logits_indices], dtype=None)
+        sampled_chunks = [c for c in chunks if c.sample]
+        sampled_hidden = hidden[batch.logits_indices]
+        if self.is_driver:
+            emitted = self._sample(sampled_hidden, sampled_chunks)
+        else:  # the LM head gathers its logits over the ranks: a collective every rank joins
+            self.model.compute_logits(sampled_hidden, dtype=None)
+            emitted = None
         scored = {s.request_id: (s.first_pos, self._score_prompt(hidden, s))
                   for s in self._prompt_scoring(chunks)}
-        sampled_chunks = [c for c in chunks if c.sample]
-        emitted = self._sample(logits, sampled_chunks) if self.is_driver else None
         shared = None
         if self.spec_ranks.must_share(saved is not None):
             mine = None if emitted is None else StepTokens(
@@ -236,15 +245,26 @@ class ModelRunner:
         batch = self._prepare(kept)
         self.model(batch.input_ids, batch.positions, batch, self.caches)
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[list[SampledToken]]:
+    def _sample(self, hidden: torch.Tensor, chunks: list[ScheduledChunk]
+                ) -> list[list[SampledToken]]:
         """Per sampled chunk, the tokens it emits: one, or with drafts the accepted ones and
-        the next (``logits`` has 1 + num_draft_tokens rows per chunk)."""
+        the next (``hidden`` has 1 + num_draft_tokens rows per chunk). A step whose rows are
+        all plain greedy takes the model's fused greedy LM head where it has one (no logits)."""
         if not any(c.num_draft_tokens for c in chunks):
             rows = [self._sampling_row(c.request_id) for c in chunks]
+            constrained = self.grammars is not None and any(
+                self.grammars.has(c.request_id) for c in chunks)
+            tokens = self.model.greedy_tokens(hidden) \
+                if not constrained and plain_greedy(rows) else None
+            if tokens is not None:
+                return [[SampledToken(t)] for t in tokens.tolist()]
+            # in the LM head's dtype: the sampler widens them to float32 only where it must
+            logits = self.model.compute_logits(hidden, dtype=None)
             bitmask = None if self.grammars is None else self.grammars.bitmask(
                 [c.request_id for c in chunks], logits.shape[1])
             return [[t] for t in sample(logits, rows, self.generator, bitmask,
                                         self.sampling_kernel)]
+        logits = self.model.compute_logits(hidden, dtype=None)
         rows, row_ids, drafts = [], [], []
         for c in chunks:
             draft = c.token_ids[len(c.token_ids) - c.num_draft_tokens:]

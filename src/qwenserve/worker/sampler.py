@@ -120,6 +120,14 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     return logprobs, logits
 
 
+def plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Whether every row takes the raw logits' argmax and nothing else: greedy, no logprobs,
+    no processor or penalty (the grammar's bitmask is the caller's to rule out). Such a step
+    needs the tokens only, which a fused LM head can give without the logits."""
+    return (all(r.params.greedy and r.params.logprobs is None for r in rows)
+            and not _edits_logits(rows, None))
+
+
 def _edits_logits(rows: list[SamplingRow], bitmask: torch.Tensor | None) -> bool:
     """Whether a processor, the bitmask or a penalty will write into the logits."""
     if bitmask is not None:

@@ -27,8 +27,16 @@
 // silu(gate) * up, rounded where the unfused path rounds (gate and up to bf16, silu(gate) to
 // bf16, the product to bf16), so the result is that path's bit for bit, without the [M, 2I]
 // intermediate and the separate pass over it.
+//
+// bgemm_bf16_argmax is an LM head's GEMM with a greedy sampler's argmax in the epilogue: each
+// row of x leaves the first column of its largest logit, the logits being the GEMM's (rounded to
+// bf16, bias included), so the token is the one the GEMM followed by argmax gives, without
+// writing the [M, N] logits and reading them back (64 rows of a 152k vocabulary: 19.5 MB a
+// decode step each way).
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include <omp.h>
 
@@ -134,14 +142,43 @@ struct Prefetch {
   bool ahead = false;
 };
 
-// How a panel's C tiles leave: rounded to bf16 (the GEMM) or as silu(gate) * up.
-enum class Epilogue { kStore, kSiluMul };
+// How a panel's C tiles leave: rounded to bf16 (the GEMM), as silu(gate) * up, or into each row
+// of x's running argmax.
+enum class Epilogue { kStore, kSiluMul, kArgmax };
+
+// A thread's running argmax, 16 lanes (rows of x) a block of x: the largest bf16-rounded logit
+// seen and its column. Columns reach a thread in increasing order, so a strict comparison keeps
+// the first of equal maxima; NaN never compares larger (a row of NaN and -inf leaves column 0).
+struct Argmax {
+  float* best = nullptr;
+  int32_t* column = nullptr;
+};
+
+// C tile (16 weight rows = columns n0 .. n0+15 of the logits, 16 rows of x) into block xb's
+// running argmax.
+inline void argmax_tile(const float* c, const uint16_t* bias, int64_t n0, const Argmax& am,
+                        int64_t xb) {
+  __m512 best = _mm512_loadu_ps(am.best + 16 * xb);
+  __m512i column = _mm512_loadu_si512(am.column + 16 * xb);
+  for (int r = 0; r < 16; ++r) {
+    __m512 v = _mm512_load_ps(c + 16 * r);
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_set1_ps(to_float(bias[n0 + r])));
+    v = bf16_round(v);
+    const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, larger, v);
+    column = _mm512_mask_mov_epi32(column, larger, _mm512_set1_epi32(int32_t(n0 + r)));
+  }
+  _mm512_storeu_ps(am.best + 16 * xb, best);
+  _mm512_storeu_si512(am.column + 16 * xb, column);
+}
 
 // A panel's 32 weight rows (a) against x's 16-row blocks xb and xb + 1 (TWO) or xb alone, over
-// all of K; its outputs are columns n0 .. n0+31 of y (kStore) or n0 .. n0+15 (kSiluMul).
+// all of K; its outputs are columns n0 .. n0+31 of y (kStore) or of the argmax (kArgmax, into
+// am), or n0 .. n0+15 of y (kSiluMul).
 template <bool TWO, Epilogue E>
 void panel(const Rows& a, const uint16_t* xp, uint16_t* y, const uint16_t* bias, int64_t M,
-           int64_t N, int64_t K, int64_t n0, int64_t xb, float* c, const Prefetch& pf) {
+           int64_t N, int64_t K, int64_t n0, int64_t xb, float* c, const Prefetch& pf,
+           const Argmax& am) {
   const int64_t steps = K / 32, ldw = K * 2;
   const uint16_t* a0 = a.lo;
   const uint16_t* a1 = a.hi;
@@ -174,6 +211,9 @@ void panel(const Rows& a, const uint16_t* xp, uint16_t* y, const uint16_t* bias,
     if constexpr (E == Epilogue::kStore) {
       store_tile(c, y, N, m0, M, n0, bias);
       store_tile(c + 256, y, N, m0, M, n0 + 16, bias);
+    } else if constexpr (E == Epilogue::kArgmax) {
+      argmax_tile(c, bias, n0, am, m0 / 16);
+      argmax_tile(c + 256, bias, n0 + 16, am, m0 / 16);
     } else {
       store_silu_mul_tile(c, c + 256, y, N, m0, M, n0, bias);
     }
@@ -190,10 +230,13 @@ void panel(const Rows& a, const uint16_t* xp, uint16_t* y, const uint16_t* bias,
 
 // y from x and the weight's panels (rows_of(p): panel p's 32 rows; its outputs start at column
 // columns * p), split over the threads by panel; x is packed by all of them first. N is y's
-// width. Returns 0, or 3 when the packing buffer cannot be allocated.
+// width. kArgmax: thread t's running argmax at argmax[t] (one per omp_get_max_threads(), each
+// (M + 15) / 16 blocks of 16 lanes, set to -inf and column 0 by the caller). Returns 0, or 3
+// when the packing buffer cannot be allocated.
 template <Epilogue E, typename RowsOf>
 int run(uint16_t* y, const uint16_t* x, const uint16_t* bias, int64_t M, int64_t N, int64_t K,
-        int64_t ldx, int64_t panels, int64_t columns, RowsOf rows_of) {
+        int64_t ldx, int64_t panels, int64_t columns, RowsOf rows_of,
+        const Argmax* argmax = nullptr) {
   static thread_local qs_amx::Buffer<uint16_t> buffer;
   const int64_t blocks = (M + 15) / 16, steps = K / 32;
   uint16_t* xp = buffer.get(blocks * steps * TILE);
@@ -205,6 +248,7 @@ int run(uint16_t* y, const uint16_t* x, const uint16_t* bias, int64_t M, int64_t
       qs_amx::pack_b_tile(xp + j * TILE, x, 2 * ldx, 16 * (j / steps), M, j % steps);
     qs_amx::configure();
     alignas(64) float c[512];
+    const Argmax am = argmax == nullptr ? Argmax{} : argmax[tid];
     const int64_t per = panels / threads, extra = panels % threads;
     const int64_t p0 = tid * per + std::min(tid, extra), p1 = p0 + per + (tid < extra ? 1 : 0);
 #pragma omp barrier
@@ -216,9 +260,9 @@ int run(uint16_t* y, const uint16_t* x, const uint16_t* bias, int64_t M, int64_t
         const Prefetch pf{p + 1 < p1 ? rows_of(p + 1) : Rows{}, row0,
                           PANEL * (pass + 1) / passes - row0, pass == 0};
         if (xb + 1 < blocks)
-          panel<true, E>(rows_of(p), xp, y, bias, M, N, K, columns * p, xb, c, pf);
+          panel<true, E>(rows_of(p), xp, y, bias, M, N, K, columns * p, xb, c, pf, am);
         else
-          panel<false, E>(rows_of(p), xp, y, bias, M, N, K, columns * p, xb, c, pf);
+          panel<false, E>(rows_of(p), xp, y, bias, M, N, K, columns * p, xb, c, pf, am);
       }
     _tile_release();
   }
@@ -271,6 +315,40 @@ int bgemm_bf16_silu_mul(uint16_t* y, const uint16_t* x, const uint16_t* w, const
   return run<Epilogue::kSiluMul>(y, x, bias, M, I, K, ldx, I / 16, 16, [&](int64_t p) {
     return Rows{w + 16 * p * K, w + (I + 16 * p) * K};
   });
+#endif
+}
+
+// tokens [M] int64: each row's argmax over the columns of round_bf16(x w^T + bias), the first of
+// equal maxima (torch.argmax of bgemm_bf16's y; NaN logits are passed over). x, w, bias as
+// bgemm_bf16's. Returns as bgemm_bf16.
+int bgemm_bf16_argmax(int64_t* tokens, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                      int64_t M, int64_t N, int64_t K, int64_t ldx) {
+  if (M <= 0 || N <= 0 || K <= 0 || ldx < K || K % 32 != 0 || N % 32 != 0) return 1;
+#if !defined(QS_AMX)
+  (void)tokens, (void)x, (void)w, (void)bias;
+  return 2;
+#else
+  if (!qs_amx::permitted()) return 2;
+  const int64_t lanes = 16 * ((M + 15) / 16), threads = omp_get_max_threads();
+  std::vector<float> best(threads * lanes, -std::numeric_limits<float>::infinity());
+  std::vector<int32_t> column(threads * lanes, 0);
+  std::vector<Argmax> per_thread(threads);
+  for (int64_t t = 0; t < threads; ++t)
+    per_thread[t] = Argmax{best.data() + t * lanes, column.data() + t * lanes};
+  const int status = run<Epilogue::kArgmax>(
+      nullptr, x, bias, M, N, K, ldx, N / PANEL, PANEL,
+      [&](int64_t p) { return Rows{w + PANEL * p * K, w + (PANEL * p + 16) * K}; },
+      per_thread.data());
+  if (status != 0) return status;
+  // threads hold increasing column ranges: a later one wins only with a larger maximum
+  for (int64_t m = 0; m < M; ++m) {
+    float top = best[m];
+    int32_t at = column[m];
+    for (int64_t t = 1; t < threads; ++t)
+      if (best[t * lanes + m] > top) top = best[t * lanes + m], at = column[t * lanes + m];
+    tokens[m] = at;
+  }
+  return 0;
 #endif
 }
 
