@@ -124,6 +124,27 @@ def test_silu_propagates_nan_and_inf():
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
 
 
+def test_bf16_silu_is_the_computed_one_for_every_bf16_value():
+    """bf16 SiLU-and-mul looks silu(gate) up in a table of every bf16 value (where the build has
+    AVX512-BF16): with up = 1 it must give, for all 65,536 bit patterns, the float32 kernel's
+    computed silu rounded to bf16, bit for bit (NaN as NaN; results below float32's normal range
+    are zero, as AVX512-BF16's rounding makes them), and stay within a bf16 ulp of torch's."""
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = gate.reshape(-1, 64)
+    ones = torch.ones_like(gate)
+    got = KERNELS.silu_and_mul(torch.cat([gate, ones], 1))
+    computed = KERNELS.silu_and_mul(torch.cat([gate, ones], 1).float())
+    want = computed.bfloat16()
+    nan, tiny = want.isnan(), computed.abs() < torch.finfo(torch.float32).tiny
+    assert torch.equal(got.isnan(), nan)
+    assert (got[tiny] == 0).all()
+    normal = ~nan & ~tiny
+    assert torch.equal(got.view(torch.int16)[normal], want.view(torch.int16)[normal])
+    torch_silu = torch.nn.functional.silu(gate.float()).bfloat16()
+    finite = torch_silu.isfinite() & (torch_silu.float().abs() > 1e-37)
+    _assert_close(got[finite], torch_silu[finite])
+
+
 def _rope_config(partial: float) -> tf.Qwen3Config:
     return tf.Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=48, rope_parameters={"rope_type": "default",

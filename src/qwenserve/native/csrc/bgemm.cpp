@@ -83,13 +83,14 @@ inline void store_tile(const float* c, uint16_t* y, int64_t N, int64_t m0, int64
 inline void store_silu_mul_tile(const float* gate, const float* up, uint16_t* y, int64_t I,
                                 int64_t m0, int64_t M, int64_t n0, const uint16_t* bias) {
   const int64_t rows_x = std::min<int64_t>(16, M - m0);
+  const uint16_t* table = silu_bf16_table();
   __m512 h[16], cols[16];
   if (rows_x <= 8) {
     __m512 g[16];
     tile_rows(gate, bias ? bias + n0 : nullptr, g);
     tile_rows(up, bias ? bias + I + n0 : nullptr, cols);
     for (int64_t i = 0; i < rows_x; ++i)
-      cols[i] = _mm512_mul_ps(bf16_round(silu16(bf16_round(g[i]))), bf16_round(cols[i]));
+      cols[i] = _mm512_mul_ps(silu_bf16(table, g[i]), bf16_round(cols[i]));
   } else {
     for (int r = 0; r < 16; ++r) {
       __m512 g = _mm512_load_ps(gate + 16 * r), u = _mm512_load_ps(up + 16 * r);
@@ -97,7 +98,7 @@ inline void store_silu_mul_tile(const float* gate, const float* up, uint16_t* y,
         g = _mm512_add_ps(g, _mm512_set1_ps(to_float(bias[n0 + r])));
         u = _mm512_add_ps(u, _mm512_set1_ps(to_float(bias[I + n0 + r])));
       }
-      h[r] = _mm512_mul_ps(bf16_round(silu16(bf16_round(g))), bf16_round(u));
+      h[r] = _mm512_mul_ps(silu_bf16(table, g), bf16_round(u));
     }
     transpose16(h, cols);
   }

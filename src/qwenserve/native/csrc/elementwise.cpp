@@ -147,9 +147,10 @@ inline void silu_mul_row(float* o, const float* gate, const float* up, int64_t i
 // row is widened into fp32 buffers in chunks and computed there.
 inline void silu_mul_row(uint16_t* o, const uint16_t* gate, const uint16_t* up, int64_t inter) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const uint16_t* table = silu_bf16_table();
   for (int64_t k = 0; k < inter; k += 16) {
     const __mmask16 m = tail_mask(inter - k);
-    const __m512 silu = bf16_round(silu16(load_bf16(gate + k, m)));
+    const __m512 silu = silu_bf16(table, gate + k, m);
     store_bf16(o + k, to_bf16(_mm512_mul_ps(silu, load_bf16(up + k, m))), m);
   }
 #else

@@ -176,6 +176,45 @@ inline __m512 silu16(__m512 g) {
   const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
 }
+
+#if defined(__AVX512BF16__)
+// silu16 of every bf16 value, rounded to bf16 (entry b: the bits of round_bf16(silu(b)), NaN
+// inputs included), built once per process: a bf16 input has 65,536 values, so a SiLU rounded to
+// bf16 is one table lookup, bit for bit the computed one. Computed, the exponential and the
+// division bound it (~20 cycles a 16-lane vector: [2,048, 9,728] bf16 4.3 ms on 2 cores against
+// ~0.8 for a copy of its bytes); a gather from the table's hot part (the few exponents
+// activations take, a few KB) stays in L1. Two entries of padding: each lookup reads 32 bits.
+inline const uint16_t* silu_bf16_table() {
+  static const uint16_t* table = [] {
+    auto* t = new uint16_t[65536 + 2]();
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int32_t b = 0; b < 65536; b += 16) {
+      const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_set1_epi32(b), lanes), 16);
+      const __m256bh y = _mm512_cvtneps_pbh(silu16(_mm512_castsi512_ps(bits)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + b), (__m256i)y);
+    }
+    return t;
+  }();
+  return table;
+}
+
+// round_bf16(silu(g)) of 16 bf16 values (their bits as 32-bit lanes; lanes past m: 0) from
+// silu_bf16_table(), widened.
+inline __m512 silu_bf16(const uint16_t* table, __m512i g, __mmask16 m = 0xFFFF) {
+  const __m512i entry = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, g, table, 2);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(entry, 16));
+}
+
+// The same of 16 bf16 values in memory.
+inline __m512 silu_bf16(const uint16_t* table, const uint16_t* g, __mmask16 m) {
+  return silu_bf16(table, _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g)), m);
+}
+
+// The same of 16 floats rounded to bf16 first: bf16_round(silu16(bf16_round(g))).
+inline __m512 silu_bf16(const uint16_t* table, __m512 g) {
+  return silu_bf16(table, _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(g)));
+}
+#endif
 #endif
 
 }  // namespace
