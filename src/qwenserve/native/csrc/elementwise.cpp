@@ -35,10 +35,12 @@ namespace {
 inline float round_to(float x, float) { return x; }
 inline float round_to(float x, uint16_t) { return round_bf16(x); }
 
-// Enough elements for a second thread to pay for waking it. A decode batch's norm (64 x 896)
-// stays on one thread: its ~30 us are less than what a fork/join can cost when the OpenMP
-// threads share their cores with other work (measured: 2 threads slower than 1 under load).
-constexpr int64_t kParallelMin = 1 << 17;
+// Enough elements for a second thread to pay for waking it. A decode batch's norm (64 x 896,
+// ~25-30 us on one thread) and rotary take both: between the decode step's GEMMs the OpenMP
+// threads are awake, and the replayed dense step's 49 norms went 2.7 -> 1.5-1.8 ms, its 24
+// rotaries 1.1-1.2 -> 0.7-0.8 ms (2026-12-06; at 1 << 17 they ran on one thread, chosen when a
+// loaded machine made the second thread's wake-up cost more than it saved).
+constexpr int64_t kParallelMin = 1 << 14;
 
 // ---- RMSNorm ------------------------------------------------------------------------------
 // Row r = (i, j), i < n_outer, j < n_inner, starts at x + i * x_so + j * x_si (residual alike);
