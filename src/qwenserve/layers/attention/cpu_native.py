@@ -12,18 +12,13 @@ Where a kernel cannot be built (no compiler, ``QWENSERVE_NATIVE=0``) its part ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from qwenserve.layers.attention.base import ChunkLayout
 from qwenserve.layers.attention.torch_ref import TorchRefBackend, TorchRefMetadata, _decode
 from qwenserve.native.attention import decode_attention, prefill_attention
 
-
-@dataclass
-class CpuNativeMetadata(TorchRefMetadata):
-    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int64
+# the reference's metadata serves the kernels as it is (block tables and context lengths)
+CpuNativeMetadata = TorchRefMetadata
 
 
 class CpuNativeBackend(TorchRefBackend):
@@ -32,14 +27,6 @@ class CpuNativeBackend(TorchRefBackend):
     def __init__(self) -> None:
         self.kernels = decode_attention()
         self.prefill_kernel = prefill_attention()
-
-    def build_metadata(self, chunks: list[ChunkLayout], block_size: int,
-                       device: torch.device) -> CpuNativeMetadata:
-        meta = super().build_metadata(chunks, block_size, device)
-        lens = [c.ctx_len for c in chunks[: meta.num_decodes]]
-        return CpuNativeMetadata(
-            **{f: getattr(meta, f) for f in TorchRefMetadata.__dataclass_fields__},
-            decode_ctx_lens=torch.tensor(lens, dtype=torch.long, device=device) if lens else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: CpuNativeMetadata, scale: float) -> torch.Tensor:
@@ -58,11 +45,10 @@ class CpuNativeBackend(TorchRefBackend):
             return None
         blocks = torch.zeros(meta.num_decodes, width, dtype=torch.long)
         blocks[:, : meta.decode_blocks.shape[1]] = meta.decode_blocks
-        # no mask or tails: only the PyTorch decode reads them, and a recorded step has none
         return CpuNativeMetadata(
             slot_mapping=meta.slot_mapping.clone(), block_size=meta.block_size,
-            num_decodes=meta.num_decodes, decode_blocks=blocks, decode_mask=None,
-            decode_tails=None, prefills=[], decode_ctx_lens=meta.decode_ctx_lens.clone())
+            num_decodes=meta.num_decodes, decode_blocks=blocks,
+            decode_ctx_lens=meta.decode_ctx_lens.clone(), prefills=[])
 
     def refill(self, static: CpuNativeMetadata, meta: CpuNativeMetadata) -> bool:
         width = meta.decode_blocks.shape[1] if meta.decode_blocks is not None else 0

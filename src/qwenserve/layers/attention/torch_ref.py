@@ -4,11 +4,15 @@ Decodes (one query token) are batched into a single SDPA call over contexts gath
 cache and padded to the longest; each prefill chunk gets its own causal SDPA call.
 
     batch rows:    [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]     decodes first, then prefill chunks
-    decode_blocks  [3, Bmax]: each decode's block table, padded with block 0
-    decode_mask    [3, 1, 1, Bmax * block_size]: True where the position is inside the context
-    decode_tails   flat positions past each context's end inside its last block: the cache is
-                   not zeroed at start-up, so these may hold NaN bit patterns, and a masked NaN
-                   still poisons softmax(QK) @ V (0 * NaN); they are zeroed after the gather
+    decode_blocks    [3, Bmax]: each decode's block table, padded with block 0
+    decode_ctx_lens  [3]: each decode's context length
+    decode mask      (made on first use) True where the position is inside the context
+    decode tails     (made on first use) flat positions past each context's end inside its last
+                     block: the cache is not zeroed at start-up, so these may hold NaN bit
+                     patterns, and a masked NaN still poisons softmax(QK) @ V (0 * NaN); they
+                     are zeroed after the gather
+The mask and the tails are made only when this PyTorch decode runs: a backend with its own decode
+kernel (cpu_native) reads the block tables and lengths alone.
 
 Contexts are gathered a whole block at a time (``index_select`` of block_size * Hkv * D
 contiguous values): 3x faster than indexing token slots, which made the gather 38% of a decode
@@ -45,18 +49,35 @@ class TorchRefMetadata(AttentionMetadata):
     block_size: int
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
     decode_blocks: torch.Tensor | None  # [num_decodes, Bmax]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, Bmax * block_size]
-    decode_tails: torch.Tensor | None  # [<= num_decodes * (block_size - 1)] positions to zero
+    decode_ctx_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillSpan]
     _decode_bias: dict = field(default_factory=dict)  # dtype -> the mask as 0 / -inf
+    _decode_tails: list = field(default_factory=list)  # the tails, once made
+
+    def _positions(self) -> torch.Tensor:
+        """[1, Bmax * block_size]: the positions of a padded decode context."""
+        width = self.decode_blocks.shape[1] * self.block_size
+        return torch.arange(width, device=self.decode_blocks.device)[None, :]
 
     def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The decode mask as an additive bias, made once per step: SDPA's CPU flash kernel
-        runs 17% faster with it than with the boolean mask (64 decodes, 320-token contexts)."""
+        """[num_decodes, 1, 1, Bmax * block_size]: 0 inside each context, -inf past it; made
+        once per step: SDPA's CPU flash kernel runs 17% faster with an additive bias than with
+        the boolean mask (64 decodes, 320-token contexts)."""
         if dtype not in self._decode_bias:
-            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
-            self._decode_bias[dtype] = bias.masked_fill_(~self.decode_mask, float("-inf"))
+            outside = self._positions() >= self.decode_ctx_lens[:, None]
+            bias = torch.zeros(outside.shape, dtype=dtype, device=outside.device)
+            self._decode_bias[dtype] = bias.masked_fill_(outside, float("-inf"))[:, None, None]
         return self._decode_bias[dtype]
+
+    def decode_tails(self) -> torch.Tensor:
+        """Flat positions (row * Bmax * block_size + position) past each context's end inside
+        its last block."""
+        if not self._decode_tails:
+            pos, lens = self._positions(), self.decode_ctx_lens[:, None]
+            last_block_end = (lens + self.block_size - 1) // self.block_size * self.block_size
+            tails = ((pos >= lens) & (pos < last_block_end)).flatten().nonzero().flatten()
+            self._decode_tails.append(tails)
+        return self._decode_tails[0]
 
 
 class TorchRefBackend(AttentionBackend):
@@ -82,19 +103,14 @@ class TorchRefBackend(AttentionBackend):
     def _decode_tensors(decodes: list[ChunkLayout], block_size: int,
                         device: torch.device) -> dict:
         if not decodes:
-            return {"decode_blocks": None, "decode_mask": None, "decode_tails": None}
+            return {"decode_blocks": None, "decode_ctx_lens": None}
         rows = [_context_blocks(c, block_size) for c in decodes]
         max_blocks = max(len(r) for r in rows)
         padded = [r + [0] * (max_blocks - len(r)) for r in rows]
-        width = max_blocks * block_size
-        lens = torch.tensor([c.ctx_len for c in decodes], device=device)
-        mask = torch.arange(width, device=device)[None, :] < lens[:, None]
-        tails = [i * width + p for i, (c, r) in enumerate(zip(decodes, rows))
-                 for p in range(c.ctx_len, len(r) * block_size)]
         return {
             "decode_blocks": torch.tensor(padded, dtype=torch.long, device=device),
-            "decode_mask": mask[:, None, None, :],
-            "decode_tails": torch.tensor(tails, dtype=torch.long, device=device),
+            "decode_ctx_lens": torch.tensor([c.ctx_len for c in decodes], dtype=torch.long,
+                                            device=device),
         }
 
     @staticmethod
@@ -159,9 +175,10 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
     num_kv_heads = kv_cache.shape[2]
     qg = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     k, v = _gather_blocks(kv_cache, meta.decode_blocks, meta.block_size)  # [n * Lmax, Hkv, D]
-    if meta.decode_tails.numel():
-        k.index_fill_(0, meta.decode_tails, 0)
-        v.index_fill_(0, meta.decode_tails, 0)
+    tails = meta.decode_tails()
+    if tails.numel():
+        k.index_fill_(0, tails, 0)
+        v.index_fill_(0, tails, 0)
     k, v = (x.view(n, -1, num_kv_heads, head_dim).transpose(1, 2) for x in (k, v))
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_bias(q.dtype),
                                        scale=scale)
