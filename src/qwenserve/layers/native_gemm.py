@@ -78,17 +78,7 @@ def amx_gate_up_silu(min_rows: int, max_rows: int) -> GateUpSiluFn | None:
     to ``max_rows`` rows of x (``Bgemm.silu_mul``: the unfused path's result bit for bit, without
     its [rows, 2I] intermediate and the pass over it; docs/benchmarks.md, "SiLU-and-mul in the
     AMX GEMM's epilogue"), or None where there is no AMX kernel (``max_rows`` 0 included)."""
-    kernel = bgemm() if max_rows > 0 else None
-    if kernel is None:
-        return None
-    return functools.partial(_fused_window, kernel, min_rows, max_rows)
-
-
-def _fused_window(kernel: Bgemm, min_rows: int, max_rows: int, x: torch.Tensor,
-                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    if _takes(kernel, min_rows, max_rows, x, weight, bias):
-        return kernel.silu_mul(x, weight, bias)
-    return None
+    return _amx_fused("silu_mul", min_rows, max_rows)
 
 
 @functools.cache
@@ -98,14 +88,22 @@ def amx_greedy_head(min_rows: int, max_rows: int) -> GreedyHeadFn | None:
     [rows, vocab] logits and reading them back), or None where there is no AMX kernel. The rows
     are those ``with_amx_gemm`` sends to the same GEMM, so the logits it ranks are bit for bit
     the ones the sampler would see."""
+    return _amx_fused("argmax", min_rows, max_rows)
+
+
+def _amx_fused(method: str, min_rows: int, max_rows: int
+               ) -> Callable[..., torch.Tensor | None] | None:
+    """``Bgemm.<method>`` (a GEMM with a fused epilogue) for the bf16 calls of ``min_rows`` to
+    ``max_rows`` rows it takes, returning None for the rest; None without the AMX kernel."""
     kernel = bgemm() if max_rows > 0 else None
     if kernel is None:
         return None
-    return functools.partial(_greedy_window, kernel, min_rows, max_rows)
+    return functools.partial(_fused_window, kernel, getattr(kernel, method), min_rows, max_rows)
 
 
-def _greedy_window(kernel: Bgemm, min_rows: int, max_rows: int, x: torch.Tensor,
-                   weight: torch.Tensor) -> torch.Tensor | None:
-    if _takes(kernel, min_rows, max_rows, x, weight, None):
-        return kernel.argmax(x, weight)
+def _fused_window(kernel: Bgemm, fused: Callable[..., torch.Tensor], min_rows: int,
+                  max_rows: int, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    if _takes(kernel, min_rows, max_rows, x, weight, bias):
+        return fused(x, weight, bias)
     return None

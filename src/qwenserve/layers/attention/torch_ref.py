@@ -52,7 +52,7 @@ class TorchRefMetadata(AttentionMetadata):
     decode_ctx_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillSpan]
     _decode_bias: dict = field(default_factory=dict)  # dtype -> the mask as 0 / -inf
-    _decode_tails: list = field(default_factory=list)  # the tails, once made
+    _decode_tails: torch.Tensor | None = None  # decode_tails(), once made
 
     def _positions(self) -> torch.Tensor:
         """[1, Bmax * block_size]: the positions of a padded decode context."""
@@ -72,12 +72,12 @@ class TorchRefMetadata(AttentionMetadata):
     def decode_tails(self) -> torch.Tensor:
         """Flat positions (row * Bmax * block_size + position) past each context's end inside
         its last block."""
-        if not self._decode_tails:
+        if self._decode_tails is None:
             pos, lens = self._positions(), self.decode_ctx_lens[:, None]
             last_block_end = (lens + self.block_size - 1) // self.block_size * self.block_size
-            tails = ((pos >= lens) & (pos < last_block_end)).flatten().nonzero().flatten()
-            self._decode_tails.append(tails)
-        return self._decode_tails[0]
+            in_tail = (pos >= lens) & (pos < last_block_end)
+            self._decode_tails = in_tail.flatten().nonzero().flatten()
+        return self._decode_tails
 
 
 class TorchRefBackend(AttentionBackend):

@@ -114,6 +114,11 @@ struct Rows {
   const uint16_t* hi = nullptr;
 };
 
+// Panel p of a plain [N, K] weight: its 32 consecutive rows.
+inline Rows consecutive_panel(const uint16_t* w, int64_t K, int64_t p) {
+  return Rows{w + PANEL * p * K, w + (PANEL * p + 16) * K};
+}
+
 // Prefetches line `offset` (bytes) of rows r0 .. r1-1 of g. The GEMM's 32 rows are consecutive
 // (hi = lo + 16 rows): one pointer stepping by the row stride, as tight as the loop can be (it
 // is ~17% of the kernel's samples at 64 rows of x); the fused gate_up's groups are apart, and a
@@ -271,6 +276,12 @@ int run(uint16_t* y, const uint16_t* x, const uint16_t* bias, int64_t M, int64_t
 }
 #endif  // QS_AMX
 
+// Whether the entry points take this shape: a non-empty x read with row stride ldx >= K, K a
+// multiple of the tiles' 32 and N of `n_multiple`.
+inline bool takes(int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t n_multiple) {
+  return M > 0 && N > 0 && K > 0 && ldx >= K && K % 32 == 0 && N % n_multiple == 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -289,15 +300,14 @@ int bgemm_bf16_available() {
 // multiple of 32); 2 without AMX; 3 when the packing buffer cannot be allocated.
 int bgemm_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t M,
                int64_t N, int64_t K, int64_t ldx) {
-  if (M <= 0 || N <= 0 || K <= 0 || ldx < K || K % 32 != 0 || N % 32 != 0) return 1;
+  if (!takes(M, N, K, ldx, 32)) return 1;
 #if !defined(QS_AMX)
   (void)y, (void)x, (void)w, (void)bias;
   return 2;
 #else
   if (!qs_amx::permitted()) return 2;
-  return run<Epilogue::kStore>(y, x, bias, M, N, K, ldx, N / PANEL, PANEL, [&](int64_t p) {
-    return Rows{w + PANEL * p * K, w + (PANEL * p + 16) * K};
-  });
+  return run<Epilogue::kStore>(y, x, bias, M, N, K, ldx, N / PANEL, PANEL,
+                               [&](int64_t p) { return consecutive_panel(w, K, p); });
 #endif
 }
 
@@ -307,7 +317,7 @@ int bgemm_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t
 // multiple of 32, I not a multiple of 16); 2 without AMX; 3 out of memory.
 int bgemm_bf16_silu_mul(uint16_t* y, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                         int64_t M, int64_t I, int64_t K, int64_t ldx) {
-  if (M <= 0 || I <= 0 || K <= 0 || ldx < K || K % 32 != 0 || I % 16 != 0) return 1;
+  if (!takes(M, I, K, ldx, 16)) return 1;
 #if !defined(QS_AMX)
   (void)y, (void)x, (void)w, (void)bias;
   return 2;
@@ -324,7 +334,7 @@ int bgemm_bf16_silu_mul(uint16_t* y, const uint16_t* x, const uint16_t* w, const
 // bgemm_bf16's. Returns as bgemm_bf16.
 int bgemm_bf16_argmax(int64_t* tokens, const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                       int64_t M, int64_t N, int64_t K, int64_t ldx) {
-  if (M <= 0 || N <= 0 || K <= 0 || ldx < K || K % 32 != 0 || N % 32 != 0) return 1;
+  if (!takes(M, N, K, ldx, 32)) return 1;
 #if !defined(QS_AMX)
   (void)tokens, (void)x, (void)w, (void)bias;
   return 2;
@@ -338,7 +348,7 @@ int bgemm_bf16_argmax(int64_t* tokens, const uint16_t* x, const uint16_t* w, con
     per_thread[t] = Argmax{best.data() + t * lanes, column.data() + t * lanes};
   const int status = run<Epilogue::kArgmax>(
       nullptr, x, bias, M, N, K, ldx, N / PANEL, PANEL,
-      [&](int64_t p) { return Rows{w + PANEL * p * K, w + (PANEL * p + 16) * K}; },
+      [&](int64_t p) { return consecutive_panel(w, K, p); },
       per_thread.data());
   if (status != 0) return status;
   // threads hold increasing column ranges: a later one wins only with a larger maximum
