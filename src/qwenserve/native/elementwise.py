@@ -55,6 +55,17 @@ class Elementwise:
             fn.argtypes = [_P] * 3 + [_I] * 7
             fn.restype = None
             self._gate[dtype] = fn
+        self._silu_table = lib.silu_use_table
+        self._silu_table.argtypes = [ctypes.c_int]
+        self._silu_table.restype = ctypes.c_int
+
+    def use_silu_table(self, on: bool) -> bool | None:
+        """Whether bf16 SiLU-and-mul looks SiLU up in a table (the default on Intel CPUs, whose
+        gathers are fast) or computes it (elsewhere): the same values either way; a switch for
+        tests and benchmarks, process-wide. Returns the previous choice, None where the build
+        has no table (no AVX512-BF16)."""
+        previous = self._silu_table(int(on))
+        return None if previous < 0 else bool(previous)
 
     def supports(self, x: torch.Tensor) -> bool:
         # called per layer and op: is_cpu, not x.device (which builds a device object)

@@ -149,10 +149,11 @@ inline void silu_mul_row(float* o, const float* gate, const float* up, int64_t i
 // row is widened into fp32 buffers in chunks and computed there.
 inline void silu_mul_row(uint16_t* o, const uint16_t* gate, const uint16_t* up, int64_t inter) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  const uint16_t* table = silu_bf16_table();
+  const uint16_t* table = silu_table_choice() ? silu_bf16_table() : nullptr;
   for (int64_t k = 0; k < inter; k += 16) {
     const __mmask16 m = tail_mask(inter - k);
-    const __m512 silu = silu_bf16(table, gate + k, m);
+    const __m512 silu = table ? silu_bf16(table, gate + k, m)
+                              : _mm512_cvtpbh_ps(to_bf16(silu16(load_bf16(gate + k, m))));
     store_bf16(o + k, to_bf16(_mm512_mul_ps(silu, load_bf16(up + k, m))), m);
   }
 #else
@@ -398,6 +399,21 @@ void scale_rows_f32(float* out, const float* acc, const float* row_scale, int64_
 void scale_rows_bf16(uint16_t* out, const float* acc, const float* row_scale, int64_t rows,
                      int64_t n) {
   scale_rows(out, acc, row_scale, rows, n);
+}
+
+// Whether bf16 SiLU-and-mul looks SiLU up in vec_math.h's table (on = 1) or computes it (0),
+// process-wide (the same bits either way; the default is silu_table_choice's): a switch for
+// tests and benchmarks. Returns the previous choice, or -1 where the build has no table (no
+// AVX512-BF16).
+int silu_use_table(int on) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const int previous = silu_table_choice();
+  silu_table_choice() = on ? 1 : 0;
+  return previous;
+#else
+  (void)on;
+  return -1;
+#endif
 }
 
 }  // extern "C"

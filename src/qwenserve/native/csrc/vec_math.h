@@ -198,6 +198,16 @@ inline const uint16_t* silu_bf16_table() {
   return table;
 }
 
+// Whether SiLU of bf16 values is looked up (silu_bf16_table) or computed (silu16, then rounded:
+// the same bits). The lookup is an AVX-512 gather: 1.8x faster than computing on an Emerald
+// Rapids Xeon, where gathers are fast, but 1.5x slower on an AMD Zen 5 EPYC, where they are
+// microcoded (docs/benchmarks.md, "SiLU computed where gathers are slow"). So: Intel CPUs look
+// up, others compute; elementwise_silu_table() overrides it for a process (tests run both).
+inline int& silu_table_choice() {
+  static int choice = __builtin_cpu_is("intel") ? 1 : 0;
+  return choice;
+}
+
 // round_bf16(silu(g)) of 16 bf16 values (their bits as 32-bit lanes; lanes past m: 0) from
 // silu_bf16_table(), widened.
 inline __m512 silu_bf16(const uint16_t* table, __m512i g, __mmask16 m = 0xFFFF) {
