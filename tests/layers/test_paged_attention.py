@@ -252,12 +252,27 @@ PREFILLS = [(256, 256, 14, 2, 64), (37, 37, 14, 2, 64), (20, 100, 8, 2, 256), (1
             (300, 333, 16, 8, 128), (17, 17, 2, 1, 32), (50, 83, 6, 2, 96)]
 
 
+@pytest.fixture(params=["amx", "dot"])
+def prefill_route(request):
+    """The prefill kernel's products on AMX tiles or as vdpbf16ps dot products (the route of
+    AVX512-BF16 CPUs without AMX), where this machine runs each."""
+    kernel = get_attention_backend("cpu_native").prefill_kernel
+    if kernel is None:
+        yield None  # no kernel here: the test checks that and the fallback
+        return
+    if not kernel.use_amx(True) and request.param == "amx":
+        pytest.skip("no AMX tiles for this process")
+    kernel.use_amx(request.param == "amx")
+    yield request.param
+    kernel.use_amx(True)
+
+
 @pytest.mark.parametrize("shape", PREFILLS)
-def test_native_prefill_matches_torch_ref(shape):
-    """The AMX prefill kernel builds wherever a compiler is (a failed build would only log a
-    warning), is in use where the CPU has AMX (not on an AVX2-only CI machine), and agrees with
-    PyTorch's flash kernel within bf16 rounding: scores and softmax in fp32, P rounded to bf16
-    for the product, as flash kernels do."""
+def test_native_prefill_matches_torch_ref(shape, prefill_route):
+    """The prefill kernel builds wherever a compiler is (a failed build would only log a
+    warning), is in use where the CPU has AVX512-BF16 (not on an AVX2-only CI machine), and
+    agrees with PyTorch's flash kernel within bf16 rounding on either route: scores and softmax
+    in fp32, P rounded to bf16 for the product, as flash kernels do."""
     from qwenserve.layers.attention.torch_ref import _prefill
     from qwenserve.native import build, native_enabled
     from qwenserve.native.attention import prefill_attention_library
@@ -266,11 +281,13 @@ def test_native_prefill_matches_torch_ref(shape):
     if native_enabled() and build.compiler() is not None:
         lib = prefill_attention_library()
         assert lib is not None
-        # an AMX CPU runs it unless the compiler lacks AMX or the process may not use the tiles
+        # an AVX512-BF16 CPU runs it unless the compiler lacks the instructions
         runs = bool(lib.prefill_attention_available())
     else:
         runs = False
     assert (native.prefill_kernel is not None) == runs
+    if prefill_route == "dot" and not runs:
+        pytest.skip("no prefill kernel here (the AMX case covered the fallback)")
     length, ctx, hq, hkv, d = shape
     torch.manual_seed(3)
     q = torch.randn(length, hq, d).bfloat16()
@@ -295,7 +312,7 @@ def test_native_prefill_leaves_other_inputs_to_torch_ref():
 
 
 
-def test_native_prefill_propagates_a_nan_as_torch_ref_does():
+def test_native_prefill_propagates_a_nan_as_torch_ref_does(prefill_route):
     """A NaN in one key makes exactly the rows that see it NaN (the kernel's fast exp does not
     clamp it away)."""
     from qwenserve.layers.attention.torch_ref import _prefill

@@ -1,4 +1,4 @@
-"""Typed Python faces of the attention kernels (paged decode, AMX prefill)."""
+"""Typed Python faces of the attention kernels (paged decode, bf16 prefill)."""
 
 from __future__ import annotations
 
@@ -103,14 +103,24 @@ def decode_attention() -> DecodeAttention | None:
 
 
 class PrefillAttention:
-    """``csrc/prefill_attention.cpp``: causal attention of one prefill chunk over its context on
-    AMX tiles (bf16; Q . K^T and P . V as tile products, softmax in fp32)."""
+    """``csrc/prefill_attention.cpp``: causal attention of one prefill chunk over its context
+    (bf16; Q . K^T and P . V on AMX tiles, or as AVX512-BF16 dot products on CPUs without AMX;
+    softmax in fp32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.prefill_attention_bf16
         self._fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F]
         self._fn.restype = ctypes.c_int
+        self._use_amx = lib.prefill_attention_use_amx
+        self._use_amx.argtypes = [ctypes.c_int]
+        self._use_amx.restype = ctypes.c_int
         self.available = bool(lib.prefill_attention_available())
+
+    def use_amx(self, on: bool) -> bool:
+        """Whether calls take the AMX tiles (the default where they run) or the vdpbf16ps dot
+        products: a switch for tests and benchmarks, process-wide. Returns whether the AMX
+        route can run here at all."""
+        return bool(self._use_amx(int(on)))
 
     def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
         return (self.available and scale > 0 and q.dtype == k.dtype == v.dtype == torch.bfloat16
@@ -133,7 +143,8 @@ class PrefillAttention:
 
 
 def prefill_attention_library() -> ctypes.CDLL | None:
-    """The compiled library (it builds on every x86 CPU; only AMX ones can run its kernel)."""
+    """The compiled library (it builds on every x86 CPU; AVX512-BF16 ones run its kernel, on
+    AMX tiles where the CPU has them)."""
     return load_library("qwenserve_prefill_attention",
                         [os.path.join(CSRC, "prefill_attention.cpp")],
                         cflags=(*DEFAULT_CFLAGS, *FAST_MATH))
@@ -141,14 +152,14 @@ def prefill_attention_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def prefill_attention() -> PrefillAttention | None:
-    """The AMX prefill-attention kernel, or None (logged once) where it cannot be built or the
-    CPU (or the process) cannot use AMX tiles."""
+    """The bf16 prefill-attention kernel, or None (logged once) where it cannot be built or the
+    CPU has no AVX512-BF16."""
     lib = prefill_attention_library()
     if lib is None:
         return None
     kernel = PrefillAttention(lib)
     if not kernel.available:
-        logger.info("prefill attention: no AMX tiles for this process (CPU, compiler or kernel "
-                    "permission); prefill chunks use PyTorch's flash kernel")
+        logger.info("prefill attention: no AVX512-BF16 in this build (CPU or compiler); bf16 "
+                    "prefill chunks use PyTorch's flash kernel")
         return None
     return kernel

@@ -1,11 +1,12 @@
-"""CPU paged attention: C++ decodes that read the cache in place, AMX tiles for bf16 prefills.
+"""CPU paged attention: C++ decodes that read the cache in place, a C++ kernel for bf16 prefills.
 
 The pure-PyTorch backend gathers every decode's context blocks into a padded copy of K and V,
 per layer and step, before one masked SDPA call; this one hands the block tables to
 ``native/csrc/decode_attention.cpp`` instead, which walks them (bf16 on AMX tiles where the CPU
 has them and 2-16 query heads share a KV head, else in 16 or 8 lanes). Prefill chunks in bf16
-with head sizes a multiple of 32 run ``native/csrc/prefill_attention.cpp`` on AMX tiles; other
-prefills (fp32, no AMX) and the cache writes are ``torch_ref``'s (PyTorch's flash kernel).
+with head sizes a multiple of 32 run ``native/csrc/prefill_attention.cpp`` (AMX tiles, or
+AVX512-BF16 dot products on CPUs without AMX); other prefills (fp32, no AVX512-BF16) and the
+cache writes are ``torch_ref``'s (PyTorch's flash kernel).
 Where a kernel cannot be built (no compiler, ``QWENSERVE_NATIVE=0``) its part runs
 ``torch_ref``'s code: same results within bf16 rounding, one log line.
 """

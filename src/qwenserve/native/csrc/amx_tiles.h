@@ -1,5 +1,6 @@
 // Intel AMX tile helpers shared by the kernels that use the tiles (prefill attention, bf16 GEMM).
-// QS_AMX is defined where the build has AMX-BF16 and AVX512-BF16; the helpers exist only then.
+// QS_AMX is defined where the build has AMX-BF16 and AVX512-BF16; the tile helpers exist only
+// then (the tile shape and transpose16 wherever the build has AVX-512).
 #pragma once
 
 #include <cstdint>
@@ -13,36 +14,15 @@
 #define QS_AMX 1
 #endif
 
-#if defined(QS_AMX)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// The tile shape and the 16 x 16 transpose are plain AVX-512: the vdpbf16ps prefill kernel
+// (AVX512-BF16 CPUs without AMX) packs its operands in the tiles' layout with them too.
 namespace qs_amx {
 
 constexpr int64_t ROWS = 16;        // tile rows
 constexpr int64_t TILE = 16 * 32;   // bf16 elements of a 16 x 64-byte tile
-
-// Whether this process may use the tiles (Linux grants them per process, on request).
-inline bool permitted() {
-  static const bool ok = [] {
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
-// All eight tiles as 16 rows x 64 bytes, set on each thread of a call (oneDNN's GEMMs set their
-// own configuration in between).
-inline void configure() {
-  struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = ROWS;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // rows[i] (16 x 32-bit each) -> cols[j][i] = rows[i][j]: a 16 x 16 transpose of 32-bit words.
 inline void transpose16(const __m512* rows, __m512* cols) {
@@ -68,6 +48,37 @@ inline void transpose16(const __m512* rows, __m512* cols) {
     cols[j] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0x88);
     cols[j + 8] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0xdd);
   }
+}
+
+}  // namespace qs_amx
+#endif  // __AVX512F__
+
+#if defined(QS_AMX)
+namespace qs_amx {
+
+// Whether this process may use the tiles (Linux grants them per process, on request).
+inline bool permitted() {
+  static const bool ok = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// All eight tiles as 16 rows x 64 bytes, set on each thread of a call (oneDNN's GEMMs set their
+// own configuration in between).
+inline void configure() {
+  struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = ROWS;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
 }
 
 // Packed B operands of a call: grows with the largest call, kept by the calling thread (its

@@ -1,6 +1,8 @@
-// Causal prefill attention of one sequence's chunk on Intel AMX (bf16), for the CPU backend's
-// prefill spans in place of PyTorch's flash kernel: 1.3-1.75x its speed on a 2-core Xeon for
-// 256-4,096-token prompts and head sizes 64-256 (docs/benchmarks.md).
+// Causal prefill attention of one sequence's chunk (bf16), for the CPU backend's prefill spans in
+// place of PyTorch's flash kernel: on Intel AMX tiles, 1.3-1.75x its speed on a 2-core Xeon for
+// 256-4,096-token prompts and head sizes 64-256; on AVX512-BF16 CPUs without AMX (AMD Zen 4/5),
+// the same products as vdpbf16ps dot products, where PyTorch's kernel runs its products through
+// MKL's generic fp32 path (docs/benchmarks.md).
 //
 //   q   [L, Hq, D]   rows q_stride apart, heads contiguous; query i sits at position S - L + i
 //   k,v [S, Hkv, D]  rows k_stride / v_stride apart (the chunk's context, its own tokens last)
@@ -9,8 +11,10 @@
 // Per KV head, K is packed once into AMX's B layout for scores = Q . K^T (16 tokens x 32 dims
 // a tile, dim pairs as rows) and V into its B layout for P . V (32 tokens x 16 dims a tile, token
 // pairs interleaved); every query head of the group and every 16-row query block reuses them.
+// A tile row is also what vdpbf16ps takes as its packed operand (16 outputs x a pair), so the
+// route without AMX reads the same buffers, broadcasting a pair of the other operand per step.
 // A task is (KV head, query head of its group, 16 query rows): scores over the keys the block
-// can see (fp32 tiles), an exact two-pass softmax per row in fp32 (masked keys excluded), P
+// can see (fp32), an exact two-pass softmax per row in fp32 (masked keys excluded), P
 // rounded to bf16 for the product (as flash kernels do), the sums scaled by 1 / row sum and
 // rounded to bf16. Needs D % 32 == 0, Hq % Hkv == 0 and scale > 0; returns 1 (the caller keeps
 // its own kernel) where the shapes or the machine do not fit.
@@ -25,9 +29,8 @@
 
 namespace {
 
-#if defined(QS_AMX)
-using qs_amx::configure;
-using qs_amx::permitted;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define QS_BF16_DOT 1
 using qs_amx::ROWS;
 using qs_amx::TILE;
 using qs_amx::transpose16;
@@ -76,6 +79,7 @@ void pack_v(uint16_t* dst, const uint16_t* v, int64_t v_stride, int64_t S, int64
     }
 }
 
+#if defined(QS_AMX)
 // Tile C += Q . K^T of one key tile kb (DCS chunks of 32 dims; query tiles in 2.., B its K
 // tile). A macro: the tile intrinsics take their tile numbers as literal tokens.
 #define QS_KEY_TILE_SCORES(DCS, C, B, kb)          \
@@ -155,12 +159,68 @@ void values_group(float* sums, const uint16_t* probs, const uint16_t* vt, int64_
   }
 }
 
+#endif  // QS_AMX
+
+// acc[i][n] = sum over segments g < segs and pairs r < 16 of a's pair (row i, 32 g + 2 r) times
+// b's tile row (g, n, r): b + g * seg_stride + n * tile_stride + 32 r holds 16 outputs' pairs.
+// RB rows of a (lda apart) and NT outputs of 16 lanes, stored as fp32 to out + i * ldo + 16 n.
+// Scores: a = Q's rows, a segment = 32 dims, a tile = 16 keys; values: a = P's rows, a
+// segment = 32 tokens, a tile = 16 dims.
+template <int RB, int NT>
+void dot_block(float* out, int64_t ldo, const uint16_t* a, int64_t lda, const uint16_t* b,
+               int64_t seg_stride, int64_t tile_stride, int64_t segs) {
+  __m512 acc[RB][NT];
+  for (int i = 0; i < RB; ++i)
+    for (int n = 0; n < NT; ++n) acc[i][n] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < segs; ++g) {
+    const uint16_t* bg = b + g * seg_stride;
+    const uint16_t* ag = a + 32 * g;
+    for (int r = 0; r < 16; ++r) {
+      __m512bh bv[NT];
+      for (int n = 0; n < NT; ++n)
+        bv[n] = (__m512bh)_mm512_loadu_si512(bg + n * tile_stride + 32 * r);
+      for (int i = 0; i < RB; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, ag + i * lda + 2 * r, sizeof pair);
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+        for (int n = 0; n < NT; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], av, bv[n]);
+      }
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int n = 0; n < NT; ++n) _mm512_storeu_ps(out + i * ldo + 16 * n, acc[i][n]);
+}
+
+// dot_block over rows 0 .. rows-1 of a (in fours: a has rows rounded up to 4, zero or unused
+// past rows) and `tiles` outputs of 16 lanes, four at a time: each group of four output tiles
+// (a few KB of b) stays in L1 while every row group meets it.
+void dot_product(float* out, int64_t ldo, const uint16_t* a, int64_t lda, int64_t rows,
+                 const uint16_t* b, int64_t seg_stride, int64_t tile_stride, int64_t tiles,
+                 int64_t segs) {
+  constexpr int RB = 4;
+  for (int64_t n = 0; n < tiles; n += 4) {
+    const uint16_t* bn = b + n * tile_stride;
+    for (int64_t i = 0; i < rows; i += RB) {
+      float* o = out + i * ldo + 16 * n;
+      const uint16_t* ai = a + i * lda;
+      switch (std::min<int64_t>(4, tiles - n)) {
+        case 4: dot_block<RB, 4>(o, ldo, ai, lda, bn, seg_stride, tile_stride, segs); break;
+        case 3: dot_block<RB, 3>(o, ldo, ai, lda, bn, seg_stride, tile_stride, segs); break;
+        case 2: dot_block<RB, 2>(o, ldo, ai, lda, bn, seg_stride, tile_stride, segs); break;
+        default: dot_block<RB, 1>(o, ldo, ai, lda, bn, seg_stride, tile_stride, segs);
+      }
+    }
+  }
+}
+
 struct Scratch {  // one thread's buffers, kept between calls
   std::vector<float> scores, inv, sums;
   std::vector<uint16_t> probs, qrows;
 };
 
-// One task: rows (<= 16) query rows of one head, the first at position first_pos.
+// One task: rows (<= 16) query rows of one head, the first at position first_pos; the products
+// on AMX tiles (kAmx) or as vdpbf16ps dot products.
+template <bool kAmx>
 void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
                  int64_t rows, int64_t first_pos, const uint16_t* kt, const uint16_t* vt,
                  int64_t S, int64_t D, float scale, Scratch& s) {
@@ -175,6 +235,10 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
       std::memset(qrows + r * D, 0, D * sizeof(uint16_t));
   }
   float* scores = s.scores.data();  // [16, width]
+  if constexpr (!kAmx) {  // segments: 32 dims of a key tile; outputs: key tiles of 16
+    dot_product(scores, width, qrows, D, rows, kt, TILE, dcs * TILE, ktiles, dcs);
+  } else {
+#if defined(QS_AMX)
   switch (dcs) {
     case 1: scores_resident<1>(scores, qrows, kt, ktiles, width); break;
     case 2: scores_resident<2>(scores, qrows, kt, ktiles, width); break;
@@ -190,6 +254,8 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
         }
         _tile_stored(0, scores + ROWS * t, width * sizeof(float));
       }
+  }
+#endif
   }
   uint16_t* probs = s.probs.data();  // [16, width] bf16: P, zero past each row's last key
   float* inv = s.inv.data();
@@ -217,10 +283,17 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   float* sums = s.sums.data();  // [16, 64]: up to four output tiles
   for (int64_t c = 0; c < dts; c += 4) {
     const int64_t group = std::min<int64_t>(4, dts - c);  // dts is even: 4 or 2
-    if (group == 4)
-      values_group<4>(sums, probs, vt, c, dts, width);
-    else
-      values_group<2>(sums, probs, vt, c, dts, width);
+    if constexpr (!kAmx) {  // segments: 32 tokens; outputs: dim tiles of 16
+      dot_product(sums, 64, probs, width, rows, vt + c * TILE, dts * TILE, TILE, group,
+                  width / 32);
+    } else {
+#if defined(QS_AMX)
+      if (group == 4)
+        values_group<4>(sums, probs, vt, c, dts, width);
+      else
+        values_group<2>(sums, probs, vt, c, dts, width);
+#endif
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 ir = _mm512_set1_ps(inv[r]);
       for (int64_t n = 0; n < group; ++n)  // 16 dims at a time, rounded to bf16 (nearest even)
@@ -230,30 +303,23 @@ void attend_rows(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
     }
   }
 }
-#endif  // QS_AMX
 
-}  // namespace
+// Whether calls take the AMX tiles: where the build has them and the process may use them,
+// unless prefill_attention_use_amx turned them off.
+bool amx_enabled = true;
 
-extern "C" {
-
-// 1 where this build and process run the AMX kernel.
-int prefill_attention_available() {
+bool use_amx() {
 #if defined(QS_AMX)
-  return permitted() ? 1 : 0;
+  return amx_enabled && qs_amx::permitted();
 #else
-  return 0;
+  return false;
 #endif
 }
 
-// 0 on success; 1: shapes or machine not supported (nothing written).
-int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
-                           const uint16_t* k, int64_t k_stride, const uint16_t* v,
-                           int64_t v_stride, int64_t L, int64_t S, int64_t hq, int64_t hkv,
-                           int64_t d, float scale) {
-#if defined(QS_AMX)
-  if (d <= 0 || d % 32 != 0 || hkv <= 0 || hq % hkv != 0 || L <= 0 || L > S || !(scale > 0.f) ||
-      !permitted())
-    return 1;
+template <bool kAmx>
+void attend_all(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
+                const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
+                int64_t L, int64_t S, int64_t hq, int64_t hkv, int64_t d, float scale) {
   const int64_t group = hq / hkv, dcs = d / 32, dts = d / 16;
   const int64_t k_elems = (S + ROWS - 1) / ROWS * dcs * TILE, v_elems = (S + 31) / 32 * dts * TILE;
   // every element is written by pack_k / pack_v (padding included): no zeroing of the buffer
@@ -272,7 +338,9 @@ int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q,
     static thread_local Scratch scratch;
     scratch.scores.resize(ROWS * width), scratch.inv.resize(ROWS), scratch.sums.resize(ROWS * 64);
     scratch.probs.resize(ROWS * width), scratch.qrows.resize(ROWS * d);
-    configure();
+#if defined(QS_AMX)
+    if constexpr (kAmx) qs_amx::configure();
+#endif
     // the last query blocks see the most keys: they go first, so the dynamic schedule ends on
     // short tasks
 #pragma omp for schedule(dynamic, 1)
@@ -280,12 +348,59 @@ int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q,
       const int64_t head = task / blocks, b = blocks - 1 - task % blocks;
       const int64_t h = head / group, r0 = b * ROWS;
       const uint16_t* kt = packed.get() + h * (k_elems + v_elems);
-      attend_rows(out + r0 * out_stride + head * d, out_stride, q + r0 * q_stride + head * d,
-                  q_stride, std::min(ROWS, L - r0), S - L + r0, kt, kt + k_elems, S, d, scale,
-                  scratch);
+      attend_rows<kAmx>(out + r0 * out_stride + head * d, out_stride,
+                        q + r0 * q_stride + head * d, q_stride, std::min(ROWS, L - r0),
+                        S - L + r0, kt, kt + k_elems, S, d, scale, scratch);
     }
-    _tile_release();
+#if defined(QS_AMX)
+    if constexpr (kAmx) _tile_release();
+#endif
   }
+}
+#endif  // QS_BF16_DOT
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this build runs the kernel (AVX512-BF16; AMX tiles where the process may use them).
+int prefill_attention_available() {
+#if defined(QS_BF16_DOT)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether calls take the AMX tiles (on, the default where they run) or vdpbf16ps (off): a switch
+// for tests and benchmarks, process-wide. Returns 1 where the AMX route can run here at all.
+int prefill_attention_use_amx(int on) {
+#if defined(QS_BF16_DOT)
+  amx_enabled = on != 0;
+#else
+  (void)on;
+#endif
+#if defined(QS_AMX)
+  return qs_amx::permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// 0 on success; 1: shapes or machine not supported (nothing written).
+int prefill_attention_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
+                           const uint16_t* k, int64_t k_stride, const uint16_t* v,
+                           int64_t v_stride, int64_t L, int64_t S, int64_t hq, int64_t hkv,
+                           int64_t d, float scale) {
+#if defined(QS_BF16_DOT)
+  if (d <= 0 || d % 32 != 0 || hkv <= 0 || hq % hkv != 0 || L <= 0 || L > S || !(scale > 0.f))
+    return 1;
+  if (use_amx())
+    attend_all<true>(out, out_stride, q, q_stride, k, k_stride, v, v_stride, L, S, hq, hkv, d,
+                     scale);
+  else
+    attend_all<false>(out, out_stride, q, q_stride, k, k_stride, v, v_stride, L, S, hq, hkv, d,
+                      scale);
   return 0;
 #else
   (void)out, (void)out_stride, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v;
