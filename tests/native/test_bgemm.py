@@ -117,9 +117,11 @@ def test_no_rows_or_no_kernel_keeps_the_platform_gemm(monkeypatch):
         with_amx_gemm.cache_clear()
 
 
-def test_cpu_backends_route_small_bf16_batches_through_it():
+def test_cpu_backends_route_small_bf16_batches_through_it(monkeypatch):
     """The CPU platform's float-linear route sends a decode-sized bf16 batch to this kernel where
-    it loads (and to the platform GEMM where it does not), a larger one to the platform GEMM."""
+    it loads (and to the platform GEMM where it does not), a larger one to the platform GEMM (the
+    packed bf16 GEMM of CPUs without AMX, which would take both, off: test_pbgemm.py)."""
+    monkeypatch.setattr(CpuPlatform, "packed_bf16_gemm", lambda self: False)
     platform = CpuPlatform()
     assert platform.amx_gemm_max_rows == 96
     base = RecordingLinear()

@@ -22,6 +22,7 @@ from qwenserve.layers.native_gemm import (
     amx_greedy_head,
     with_amx_gemm,
     with_native_gemm,
+    with_packed_bf16_gemm,
 )
 from qwenserve.layers.recurrent import RecurrentBackend, get_recurrent_backend
 from qwenserve.layers.skinny_gemm import with_skinny_gemm
@@ -95,9 +96,9 @@ def get_sampling_kernel(name: str) -> SamplingKernel | None:
 def float_linear_route(platform: Platform, linear: LinearFn) -> LinearFn:
     """``linear`` (the platform's GEMM) behind the native kernels that take some of its calls by
     dtype and rows of x: the skinny GEMM (fewest rows), the AMX bf16 GEMM, the blocked float32
-    GEMM."""
-    native = with_native_gemm(linear, platform.native_gemm_min_rows,
-                              platform.native_gemm_max_rows)
+    GEMM, the packed bf16 GEMM of CPUs without AMX."""
+    native = with_native_gemm(with_packed_bf16_gemm(linear, platform.packed_bf16_gemm()),
+                              platform.native_gemm_min_rows, platform.native_gemm_max_rows)
     return with_skinny_gemm(with_amx_gemm(native, platform.amx_gemm_max_rows),
                             platform.skinny_gemm_max_rows, platform.bf16_skinny_gemm_max_rows)
 

@@ -2,7 +2,7 @@
 
 Float32, prefill and many-sequence decode: the native blocked GEMM below. bf16, decode-sized
 batches on AMX CPUs: ``with_amx_gemm``, and an MLP's gate_up GEMM with its SiLU-and-mul in one
-kernel: ``amx_gate_up_silu``.
+kernel: ``amx_gate_up_silu``; bf16 on AVX512-BF16 CPUs without AMX: ``with_packed_bf16_gemm``.
 
 ``native/csrc/sgemm.cpp`` computes ``x @ W.T + b`` from the [N, K] weight as the model keeps it
 (only x is packed, per call), so weight accounting, tied embeddings and sharded-state saving see
@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from qwenserve.native.gemm import Bgemm, Sgemm, bgemm, sgemm
+from qwenserve.native.gemm import Bgemm, Sgemm, bgemm, pbgemm, sgemm
+from qwenserve.platforms.cpu_packed_gemm import PackedFloatLinear
 
 LinearFn = Callable[..., torch.Tensor]
 # (x [..., K], the merged [gate | up] weight [2I, K], its bias [2I] or None) -> silu(gate) * up
@@ -58,6 +59,38 @@ def _takes(kernel: Sgemm | Bgemm, min_rows: int, max_rows: int | None, x: torch.
     rows = x.numel() // max(x.shape[-1], 1)
     return (rows >= min_rows and (max_rows is None or rows <= max_rows)
             and kernel.supports(x, weight) and (bias is None or bias.dtype == kernel.dtype))
+
+
+@functools.cache
+def with_packed_bf16_gemm(linear: LinearFn, on: bool) -> LinearFn:
+    """``linear`` with bf16 calls sent to ``native/csrc/pbgemm.cpp`` on a copy of each weight
+    packed once (at its first call, which the worker's warm-up makes at load) into the kernel's
+    64-column panels: AVX512-BF16 dot products at the cores' peak, 1.05-1.45x oneDNN's packed
+    kernel at 16-2,048 rows on a Zen 5 EPYC (docs/benchmarks.md, "A packed bf16 GEMM for
+    AVX512-BF16 CPUs without AMX"). The plain weight stays the model's; weights the kernel does
+    not take (views, other dtypes) go to ``linear``, so the platform's own packing happens only
+    for them. ``on`` False or no kernel: ``linear`` itself."""
+    kernel = pbgemm() if on else None
+    if kernel is None:
+        return linear
+
+    def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, packed, weight.shape[0], bias)
+
+    packed = PackedFloatLinear(
+        torch.bfloat16, kernel.pack, run,
+        "bf16 GEMMs read each weight packed once for the native AVX512-BF16 kernel "
+        "(native/csrc/pbgemm.cpp): a second copy of the bf16 weights in host memory "
+        "(QWENSERVE_PACKED_BF16=0 turns this off)")
+    return functools.partial(_packed_or, packed, linear)
+
+
+def _packed_or(packed: PackedFloatLinear, linear: LinearFn, x: torch.Tensor,
+               weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed.supports(x, weight):
+        return packed(x, weight, bias)
+    return linear(x, weight, bias)
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""Typed Python faces of the GEMM kernels: the streaming GEMV, the blocked fp32 GEMM and the
-AMX bf16 GEMM for decode-sized batches."""
+"""Typed Python faces of the GEMM kernels: the streaming GEMV, the blocked fp32 GEMM, the
+AMX bf16 GEMM for decode-sized batches and the packed bf16 GEMM of AVX512-BF16 CPUs without
+AMX."""
 
 from __future__ import annotations
 
@@ -305,3 +306,62 @@ def igemm() -> Igemm | None:
                        "int8 AMX GEMM not used: no AMX-INT8 tiles for this process (CPU, compiler "
                        "or kernel permission); small W8A8 batches use the platform GEMM")
     return None if lib is None else Igemm(lib.igemm_s8_scaled)
+
+
+class Pbgemm:
+    """``csrc/pbgemm.cpp``: bf16 ``x @ w.T + bias`` with AVX512-BF16 dot products on a copy of w
+    packed once into 64-column panels of k-pairs (``pack``), fp32 sums and one rounding, for
+    CPUs without AMX (where it ran 1.1-1.5x oneDNN's packed bf16 kernel)."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._size = lib.pbgemm_packed_size
+        self._size.argtypes = [_I, _I]
+        self._size.restype = ctypes.c_int64
+        self._pack = lib.pbgemm_pack
+        self._pack.argtypes = [_P, _P, _I, _I]
+        self._pack.restype = None
+        self._fn = lib.pbgemm_bf16
+        self._fn.argtypes = [_P, _P, _I, _P, _P, _I, _I, _I]
+        self._fn.restype = ctypes.c_int
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """The packed copy of a bf16 [N, K] weight (a flat bf16 tensor)."""
+        n, k = w.shape
+        w = w.contiguous()
+        out = torch.empty(self._size(n, k), dtype=torch.bfloat16)
+        self._pack(out.data_ptr(), w.data_ptr(), n, k)
+        return out
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] bf16, ``pack``'s copy of an [n, K] weight, bias [n] or None -> [..., n]
+        bf16 (the bias added to the fp32 sums before the one rounding)."""
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1 or x2.stride(0) < k:
+            x2 = x2.contiguous()
+        assert packed.numel() == self._size(n, k), "packed for another shape"
+        b = None if bias is None else bias.float().contiguous()
+        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        if out.numel() == 0:  # no rows (an empty chunk): F.linear's empty result
+            return out.view(*x.shape[:-1], n)
+        status = self._fn(out.data_ptr(), x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                          None if b is None else b.data_ptr(), x2.shape[0], n, k)
+        if status:
+            raise ValueError(f"pbgemm_bf16: unsupported shapes x {tuple(x.shape)}, n {n}")
+        return out.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def pbgemm() -> Pbgemm | None:
+    """The packed bf16 GEMM, or None (logged once) where it cannot be built or the build has no
+    AVX512-BF16."""
+    lib = load_library("qwenserve_pbgemm", [os.path.join(CSRC, "pbgemm.cpp")])
+    if lib is None:
+        return None
+    if not lib.pbgemm_available():
+        logger.info("packed bf16 GEMM not used: no AVX512-BF16 in this build (CPU or compiler)")
+        return None
+    return Pbgemm(lib)

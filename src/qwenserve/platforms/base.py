@@ -96,6 +96,12 @@ class Platform(ABC):
         Contract: same results as ``F.linear`` up to fp32 summation order."""
         return None
 
+    def packed_bf16_gemm(self) -> bool:
+        """Whether bf16 GEMMs (of more rows than the skinny GEMM takes) go to the native packed
+        GEMM (native/csrc/pbgemm.cpp, on its own once-packed copy of each weight) where it
+        builds."""
+        return False
+
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,
                        int_bias: torch.Tensor | None = None,

@@ -177,7 +177,9 @@ class CpuPlatform(Platform):
         # at decode sizes on a Sapphire Rapids Xeon (docs/benchmarks.md, "bf16 on AMX").
         # float32 on AVX512 CPUs (where oneDNN takes every GEMM of 5 rows or more) too: 1.04-1.15x
         # at 64 rows, 1.3-1.5x at 8-16 on an AMX Xeon (docs/benchmarks.md, "float32 on packed
-        # weights"); on AVX2 CPUs native/csrc/sgemm.cpp takes them from 8 rows instead.
+        # weights"); on AVX2 CPUs native/csrc/sgemm.cpp takes them from 8 rows instead. On
+        # AVX512-BF16 CPUs without AMX the native packed bf16 GEMM takes the bf16 calls before
+        # they reach this route (packed_bf16_gemm), so oneDNN packs only what it leaves.
         packed: list[torch.dtype] = []
         if self.supports_native_bf16() and os.environ.get("QWENSERVE_PACKED_BF16") != "0":
             packed.append(torch.bfloat16)
@@ -186,6 +188,15 @@ class CpuPlatform(Platform):
         return _float_linear(_has_onednn_linear(), tuple(packed))
 
     _has_avx512 = staticmethod(_has_avx512)  # the float32 packing's probe (tests patch it)
+
+    def packed_bf16_gemm(self) -> bool:
+        # AVX512-BF16 CPUs without AMX: native/csrc/pbgemm.cpp at the cores' vdpbf16ps peak,
+        # 1.2-1.45x oneDNN's packed bf16 kernel at 16-64 rows and 1.05-1.15x at 512-2,048 (Zen 5
+        # EPYC, docs/benchmarks.md "A packed bf16 GEMM for AVX512-BF16 CPUs without AMX"); AMX
+        # CPUs keep oneDNN's tile kernels. QWENSERVE_PACKED_BF16=0 turns packing off (both kinds).
+        flags = _cpu_flags()
+        return ("avx512_bf16" in flags and "amx_bf16" not in flags
+                and os.environ.get("QWENSERVE_PACKED_BF16") != "0")
 
     def int8_skinny_max_rows(self) -> int:
         # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 0.9 ms per row of x on the

@@ -1,5 +1,6 @@
 """GEMMs on weights packed once into oneDNN's blocked layout: bf16 on AMX / AVX512-BF16 CPUs,
-float32 on AVX512 CPUs, int8 (W8A8) on AMX-INT8 / VNNI CPUs.
+float32 on AVX512 CPUs, int8 (W8A8) on AMX-INT8 / VNNI CPUs (``PackedFloatLinear`` also serves a
+native kernel's own packing: ``layers/native_gemm.with_packed_bf16_gemm``).
 
 torch's ``F.linear`` (bf16), oneDNN's linear on a plain weight (float32) and ``torch._int_mm``
 (int8) hand oneDNN the plain [N, K] weight, and oneDNN reorders it into the blocked layout its
@@ -109,20 +110,33 @@ _FLOAT_ANNOUNCE = {
 }
 
 
+# (x, the packed copy, the plain weight (for its shape), bias) -> x @ weight.T + bias
+PackedRun = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+                     torch.Tensor]
+
+
+def _onednn_run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    return _packed_linear(x, packed, bias)
+
+
 class PackedFloatLinear:
     """``linear(x, weight, bias)`` for weights of one float dtype (bf16 or float32) through a
-    once-packed copy of each."""
+    once-packed copy of each: oneDNN's blocked layout by default, or another kernel's ``pack``
+    and ``run``."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, pack: Callable[[torch.Tensor], torch.Tensor] = _pack_float,
+                 run: PackedRun = _onednn_run, announce: str | None = None) -> None:
         self.dtype = dtype
-        self.packed = PackedWeights(_pack_float, _FLOAT_ANNOUNCE[dtype])
+        self._run = run
+        self.packed = PackedWeights(pack, announce or _FLOAT_ANNOUNCE[dtype])
 
     def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return weight.dtype == x.dtype == self.dtype and x.is_cpu and _is_packable(weight)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _packed_linear(x, self.packed(weight), bias)
+        return self._run(x, self.packed(weight), weight, bias)
 
 
 class PackedInt8Matmul:

@@ -1,0 +1,168 @@
+// bf16 GEMM on AVX512-BF16 CPUs without AMX (AMD Zen 4/5), on a weight packed once:
+//
+//   y[m, n] = round_bf16(sum_k x[m, k] * w[n, k] + bias[n])          (fp32 sums)
+//
+// vdpbf16ps multiplies 16 pairs of bf16 and adds each pair's two products to one fp32 lane, so
+// its packed operand holds 16 outputs x a pair of k: the weight is packed into panels of 64
+// columns, [N / 64][K / 2][64][2] (the last panel and an odd K padded with zeros), and each
+// step of the micro-kernel loads a k-pair's 4 panel vectors and broadcasts the pair of each of
+// 6 rows of x: 24 accumulators, 24 vdpbf16ps per 4 loads + 6 broadcasts. Two 2-core Zen 5 runs
+// of the model's shapes: 930-980 GFLOP/s at 16-2,048 rows (the cores' vdpbf16ps peak) where
+// oneDNN's packed bf16 kernel gave 630-740 at 64 rows and 820-880 at 512-2,048
+// (docs/benchmarks.md, "A packed bf16 GEMM for AVX512-BF16 CPUs without AMX").
+// The packed copy sits beside the model's plain weight, as oneDNN's did (cpu_packed_gemm.py).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t PANEL = 64;  // output columns a panel (4 vectors of 16)
+constexpr int64_t RB = 6;      // rows of x a micro-kernel call
+constexpr int64_t ROW_CHUNK = 192;  // rows of x a task (a multiple of RB)
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define QS_PBGEMM 1
+
+// Rows m0 .. m0 + R - 1 of x against one panel: acc over the k-pairs, then + bias, rounded to
+// bf16 and stored to the `cols` (<= 64) live columns. An odd K's last pair holds x[K - 1] and 0
+// (the packed weight's pad is 0 too; reading past the row could meet an inf or NaN).
+template <int R>
+void micro(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint16_t* panel,
+           const float* bias, int64_t K, int64_t cols, const uint16_t* ahead, int64_t ahead_lines) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int n = 0; n < 4; ++n) acc[i][n] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  auto step = [&](const uint16_t* wk, const int32_t* xp) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wk);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xp[i]);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, b2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], a, b3);
+    }
+  };
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    // ahead_lines 64-byte lines of the next panel into L2 a step (never faults past the end)
+    for (int64_t j = 0; j < ahead_lines; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (kp * ahead_lines + j) * 32),
+                   _MM_HINT_T1);
+    int32_t xp[R];
+    for (int i = 0; i < R; ++i) std::memcpy(&xp[i], x + i * ldx + 2 * kp, sizeof(int32_t));
+    step(panel + kp * 2 * PANEL, xp);
+  }
+  if (K % 2) {
+    int32_t xp[R];
+    for (int i = 0; i < R; ++i) xp[i] = x[i * ldx + K - 1];  // (x[K - 1], 0) as a pair
+    step(panel + pairs * 2 * PANEL, xp);
+  }
+  const __mmask32 lo = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+  const __mmask32 hi = cols >= 64 ? ~__mmask32{0} : cols <= 32 ? 0
+                                                   : (__mmask32{1} << (cols - 32)) - 1;
+  __m512 b[4];
+  for (int n = 0; n < 4; ++n)
+    b[n] = bias ? _mm512_maskz_loadu_ps(static_cast<__mmask16>(
+                                            cols >= 16 * (n + 1) ? 0xFFFF
+                                            : cols <= 16 * n     ? 0
+                                                                 : (1u << (cols - 16 * n)) - 1),
+                                        bias + 16 * n)
+                : _mm512_setzero_ps();
+  for (int i = 0; i < R; ++i) {
+    const __m512i first = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc[i][1], b[1]),
+                                                      _mm512_add_ps(acc[i][0], b[0]));
+    const __m512i second = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc[i][3], b[3]),
+                                                       _mm512_add_ps(acc[i][2], b[2]));
+    _mm512_mask_storeu_epi16(y + i * ldy, lo, first);
+    _mm512_mask_storeu_epi16(y + i * ldy + 32, hi, second);
+  }
+}
+
+using Micro = void (*)(uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*,
+                       const float*, int64_t, int64_t, const uint16_t*, int64_t);
+constexpr Micro kMicro[RB] = {micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>};
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this build runs the kernel (AVX512-BF16), else 0.
+int pbgemm_available() {
+#if defined(QS_PBGEMM)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// bf16 elements of w [N, K]'s packed copy.
+int64_t pbgemm_packed_size(int64_t N, int64_t K) {
+  return (N + PANEL - 1) / PANEL * PANEL * ((K + 1) / 2 * 2);
+}
+
+// w [N, K] (contiguous) -> dst (pbgemm_packed_size elements): panel p, pair j, column c holds
+// w[64 p + c, 2 j] and w[64 p + c, 2 j + 1]; columns past N and k past K are 0.
+void pbgemm_pack(uint16_t* dst, const uint16_t* w, int64_t N, int64_t K) {
+  const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    uint16_t* panel = dst + p * pairs * 2 * PANEL;
+    for (int64_t c = 0; c < PANEL; ++c) {
+      const int64_t n = p * PANEL + c;
+      for (int64_t j = 0; j < pairs; ++j) {
+        const int64_t k = 2 * j;
+        panel[(j * PANEL + c) * 2] = n < N ? w[n * K + k] : 0;
+        panel[(j * PANEL + c) * 2 + 1] = n < N && k + 1 < K ? w[n * K + k + 1] : 0;
+      }
+    }
+  }
+}
+
+// x [M, K] (rows ldx apart), the packed weight of w [N, K], bias [N] (fp32) or null -> y [M, N]
+// bf16 (contiguous). 0 on success; 1: shapes not supported or no AVX512-BF16 in this build.
+int pbgemm_bf16(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* packed,
+                const float* bias, int64_t M, int64_t N, int64_t K) {
+#if defined(QS_PBGEMM)
+  if (M <= 0 || N <= 0 || K <= 0 || ldx < K) return 1;
+  const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2;
+  const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+  // Tasks are (panel, chunk of rows), panel-major: a thread's consecutive tasks reuse its panel
+  // from L2, and each panel is read from memory about once whatever the rows.
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < panels * chunks; ++task) {
+    const int64_t p = task / chunks, m0 = task % chunks * ROW_CHUNK;
+    const int64_t m1 = std::min(M, m0 + ROW_CHUNK), cols = std::min(PANEL, N - p * PANEL);
+    const uint16_t* panel = packed + p * pairs * 2 * PANEL;
+    const float* b = bias ? bias + p * PANEL : nullptr;
+    // The first row block reads the panel from memory and the rest from L2; at decode sizes
+    // that first pass ran at the read bandwidth, not the dot products' speed (a 64-row gate_up
+    // GEMM over weights from DRAM at ~70% of the peak), so the task's blocks fetch the next
+    // panel into L2 meanwhile: its 4 * pairs lines spread over the first blocks, up to 4 lines
+    // a k-pair step.
+    const uint16_t* next = panel + pairs * 2 * PANEL;
+    const int64_t blocks = (m1 - m0 + RB - 1) / RB;
+    const int64_t per_step = (4 + blocks - 1) / blocks;  // lines a step: 1, 2 or 4
+    for (int64_t m = m0, blk = 0; m < m1; m += RB, ++blk) {
+      const int64_t rows = std::min(RB, m1 - m);
+      const int64_t first_line = blk * per_step * pairs;
+      const bool fetch = p + 1 < panels && first_line < 4 * pairs;
+      kMicro[rows - 1](y + m * N + p * PANEL, N, x + m * ldx, ldx, panel, b, K, cols,
+                       next + first_line * 32, fetch ? per_step : 0);
+    }
+  }
+  return 0;
+#else
+  (void)y, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K;
+  return 1;
+#endif
+}
+
+}  // extern "C"
