@@ -195,13 +195,10 @@ class Sgemm(_RowMajorGemm):
 def sgemm() -> Sgemm | None:
     """The blocked fp32 GEMM, or None (logged) where it cannot be built or the CPU has no
     AVX2 + FMA (the kernel's only code path)."""
-    lib = load_library("qwenserve_sgemm", [os.path.join(CSRC, "sgemm.cpp")])
-    if lib is None:
-        return None
-    if not lib.sgemm_f32_available():
-        logger.info("native sgemm not used: this CPU has no AVX2 + FMA; using the platform GEMM")
-        return None
-    return Sgemm(lib.sgemm_f32)
+    lib = _probed_library("sgemm", "sgemm_f32_available",
+                          "native sgemm not used: this CPU has no AVX2 + FMA; using the platform "
+                          "GEMM")
+    return None if lib is None else Sgemm(lib.sgemm_f32)
 
 
 class Bgemm(_RowMajorGemm):
@@ -240,18 +237,24 @@ class Bgemm(_RowMajorGemm):
         return tokens.view(x.shape[:-1])
 
 
-def _amx_library(name: str, available: str, not_used: str) -> ctypes.CDLL | None:
-    """``csrc/<name>.cpp``'s library, or None where it cannot be built or (``available``, its
-    probe, says 0) the CPU or the process cannot use its AMX tiles: ``not_used`` logged once."""
-    # no contraction into fused multiply-adds: the epilogues equal the unfused paths' bits
-    lib = load_library(f"qwenserve_{name}", [os.path.join(CSRC, f"{name}.cpp")],
-                       cflags=(*DEFAULT_CFLAGS, "-ffp-contract=off"))
+def _probed_library(name: str, available: str, not_used: str,
+                    cflags: tuple[str, ...] = DEFAULT_CFLAGS) -> ctypes.CDLL | None:
+    """``csrc/<name>.cpp``'s library, or None where it cannot be built or ``available`` (its
+    probe) says 0, the CPU or the process cannot run it: ``not_used`` logged once."""
+    lib = load_library(f"qwenserve_{name}", [os.path.join(CSRC, f"{name}.cpp")], cflags=cflags)
     if lib is None:
         return None
     if not getattr(lib, available)():
         logger.info(not_used)
         return None
     return lib
+
+
+def _amx_library(name: str, available: str, not_used: str) -> ctypes.CDLL | None:
+    """``_probed_library`` of an AMX kernel (its probe: whether the CPU or the process can use
+    the tiles)."""
+    # no contraction into fused multiply-adds: the epilogues equal the unfused paths' bits
+    return _probed_library(name, available, not_used, (*DEFAULT_CFLAGS, "-ffp-contract=off"))
 
 
 @functools.cache
@@ -358,10 +361,7 @@ class Pbgemm:
 def pbgemm() -> Pbgemm | None:
     """The packed bf16 GEMM, or None (logged once) where it cannot be built or the build has no
     AVX512-BF16."""
-    lib = load_library("qwenserve_pbgemm", [os.path.join(CSRC, "pbgemm.cpp")])
-    if lib is None:
-        return None
-    if not lib.pbgemm_available():
-        logger.info("packed bf16 GEMM not used: no AVX512-BF16 in this build (CPU or compiler)")
-        return None
-    return Pbgemm(lib)
+    lib = _probed_library("pbgemm", "pbgemm_available",
+                          "packed bf16 GEMM not used: no AVX512-BF16 in this build (CPU or "
+                          "compiler)")
+    return None if lib is None else Pbgemm(lib)
