@@ -52,9 +52,11 @@ def test_completions_figures_and_saved_json(fake_server, run_cli, tmp_path: Path
     assert r["input_lens"] == [16] * 8 and r["output_lens"] == [6] * 8
     assert r["output_token_source"] == "usage" and r["tokenizer_id"].endswith("/tokenize")
     assert all(len(gaps) == 5 for gaps in r["itls"])
-    assert 50 <= r["mean_ttft_ms"] < 110 and 50 <= r["p50_ttft_ms"] < 110
-    assert 20 <= r["median_itl_ms"] < 40 and 20 <= r["mean_tpot_ms"] < 45
-    assert 150 <= r["mean_e2el_ms"] < 260
+    # the fake server's delays: no figure below them; medians (not means, which one request
+    # stalled by a loaded host moves: a CI run saw a mean TTFT of 517 ms) not far above
+    assert 50 <= r["mean_ttft_ms"] and 50 <= r["p50_ttft_ms"] < 110
+    assert 20 <= r["median_itl_ms"] < 40 and 20 <= r["mean_tpot_ms"] and r["median_tpot_ms"] < 45
+    assert 150 <= r["mean_e2el_ms"] and r["median_e2el_ms"] < 260
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])
     # warm-up: sent first, answered, and in no figure
     assert r["warmup_requests"] == 2 and r["warmup_output_tokens"] == 12
