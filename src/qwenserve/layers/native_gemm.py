@@ -65,9 +65,9 @@ def _takes(kernel: Sgemm | Bgemm, min_rows: int, max_rows: int | None, x: torch.
 def with_packed_bf16_gemm(linear: LinearFn, on: bool) -> LinearFn:
     """``linear`` with bf16 calls sent to ``native/csrc/pbgemm.cpp`` on a copy of each weight
     packed once (at its first call, which the worker's warm-up makes at load) into the kernel's
-    64-column panels: AVX512-BF16 dot products at the cores' peak, 1.05-1.45x oneDNN's packed
-    kernel at 16-2,048 rows on a Zen 5 EPYC (docs/benchmarks.md, "A packed bf16 GEMM for
-    AVX512-BF16 CPUs without AMX"). The plain weight stays the model's; weights the kernel does
+    64-column panels: AVX512-BF16 dot products near the cores' peak, 1.1-1.25x oneDNN's packed
+    kernel at 16-64 rows and level at 512 on a Zen 5 EPYC, weights read from memory
+    (docs/benchmarks.md, "A packed bf16 GEMM for AVX512-BF16 CPUs without AMX"). The plain weight stays the model's; weights the kernel does
     not take (views, other dtypes) go to ``linear``, so the platform's own packing happens only
     for them. ``on`` False or no kernel: ``linear`` itself."""
     kernel = pbgemm() if on else None

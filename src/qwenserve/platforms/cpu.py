@@ -190,8 +190,8 @@ class CpuPlatform(Platform):
     _has_avx512 = staticmethod(_has_avx512)  # the float32 packing's probe (tests patch it)
 
     def packed_bf16_gemm(self) -> bool:
-        # AVX512-BF16 CPUs without AMX: native/csrc/pbgemm.cpp at the cores' vdpbf16ps peak,
-        # 1.2-1.45x oneDNN's packed bf16 kernel at 16-64 rows and 1.05-1.15x at 512-2,048 (Zen 5
+        # AVX512-BF16 CPUs without AMX: native/csrc/pbgemm.cpp near the cores' vdpbf16ps peak,
+        # 1.1-1.25x oneDNN's packed bf16 kernel at 16-64 rows and level at 512 (Zen 5
         # EPYC, docs/benchmarks.md "A packed bf16 GEMM for AVX512-BF16 CPUs without AMX"); AMX
         # CPUs keep oneDNN's tile kernels. QWENSERVE_PACKED_BF16=0 turns packing off (both kinds).
         flags = _cpu_flags()

@@ -6,10 +6,11 @@
 // its packed operand holds 16 outputs x a pair of k: the weight is packed into panels of 64
 // columns, [N / 64][K / 2][64][2] (the last panel and an odd K padded with zeros), and each
 // step of the micro-kernel loads a k-pair's 4 panel vectors and broadcasts the pair of each of
-// 6 rows of x: 24 accumulators, 24 vdpbf16ps per 4 loads + 6 broadcasts. Two 2-core Zen 5 runs
-// of the model's shapes: 930-980 GFLOP/s at 16-2,048 rows (the cores' vdpbf16ps peak) where
-// oneDNN's packed bf16 kernel gave 630-740 at 64 rows and 820-880 at 512-2,048
-// (docs/benchmarks.md, "A packed bf16 GEMM for AVX512-BF16 CPUs without AMX").
+// 6 rows of x: 24 accumulators, 24 vdpbf16ps per 4 loads + 6 broadcasts. On a 2-core Zen 5 with
+// one weight hot in cache: 930-980 GFLOP/s at 16-2,048 rows (the cores' vdpbf16ps peak, ~930),
+// oneDNN's packed kernel 630-740 at 64 rows and 820-880 at 512-2,048; over the model's weights
+// read from memory: 1.1-1.25x oneDNN at 16-64 rows, level at 512 (docs/benchmarks.md, "A packed
+// bf16 GEMM for AVX512-BF16 CPUs without AMX").
 // The packed copy sits beside the model's plain weight, as oneDNN's did (cpu_packed_gemm.py).
 #include <algorithm>
 #include <cstdint>
