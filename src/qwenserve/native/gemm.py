@@ -126,6 +126,15 @@ def gemv() -> Gemv | None:
     return None if lib is None else Gemv(lib)
 
 
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., K] as [M, K] rows a kernel reads in place (rows any stride apart, values
+    contiguous), copied only where its layout does not allow that."""
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) < k:
+        x2 = x2.contiguous()
+    return x2
+
+
 def _row_major_entry(fn: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
     """fn with the signature of a row-major GEMM entry point: (y, x, w, bias, M, N, K, ldx) ->
     status."""
@@ -169,9 +178,7 @@ class _RowMajorGemm:
         """``fn(out, x, w, bias, M, width, K, ldx)``, x's rows in place where their layout lets
         the kernel read them; a non-zero status raises."""
         k = w.shape[1]
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1 or x2.stride(0) < k:
-            x2 = x2.contiguous()
+        x2 = _rows(x, k)
         if bias is not None:
             bias = bias.contiguous()
             assert bias.dtype == self.dtype and bias.numel() == w.shape[0]
@@ -342,9 +349,7 @@ class Pbgemm:
         """x [..., K] bf16, ``pack``'s copy of an [n, K] weight, bias [n] or None -> [..., n]
         bf16 (the bias added to the fp32 sums before the one rounding)."""
         k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1 or x2.stride(0) < k:
-            x2 = x2.contiguous()
+        x2 = _rows(x, k)
         assert packed.numel() == self._size(n, k), "packed for another shape"
         b = None if bias is None else bias.float().contiguous()
         out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)

@@ -65,16 +65,12 @@ void micro(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint1
     for (int i = 0; i < R; ++i) xp[i] = x[i * ldx + K - 1];  // (x[K - 1], 0) as a pair
     step(panel + pairs * 2 * PANEL, xp);
   }
-  const __mmask32 lo = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
-  const __mmask32 hi = cols >= 64 ? ~__mmask32{0} : cols <= 32 ? 0
-                                                   : (__mmask32{1} << (cols - 32)) - 1;
+  // bit c: column c of the panel is live (the last panel's columns past N are not stored)
+  const uint64_t live = cols >= PANEL ? ~uint64_t{0} : (uint64_t{1} << cols) - 1;
+  const __mmask32 lo = static_cast<__mmask32>(live), hi = static_cast<__mmask32>(live >> 32);
   __m512 b[4];
   for (int n = 0; n < 4; ++n)
-    b[n] = bias ? _mm512_maskz_loadu_ps(static_cast<__mmask16>(
-                                            cols >= 16 * (n + 1) ? 0xFFFF
-                                            : cols <= 16 * n     ? 0
-                                                                 : (1u << (cols - 16 * n)) - 1),
-                                        bias + 16 * n)
+    b[n] = bias ? _mm512_maskz_loadu_ps(static_cast<__mmask16>(live >> (16 * n)), bias + 16 * n)
                 : _mm512_setzero_ps();
   for (int i = 0; i < R; ++i) {
     const __m512i first = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc[i][1], b[1]),
