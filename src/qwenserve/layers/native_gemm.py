@@ -67,9 +67,10 @@ def with_packed_bf16_gemm(linear: LinearFn, on: bool) -> LinearFn:
     packed once (at its first call, which the worker's warm-up makes at load) into the kernel's
     64-column panels: AVX512-BF16 dot products near the cores' peak, 1.1-1.25x oneDNN's packed
     kernel at 16-64 rows and level at 512 on a Zen 5 EPYC, weights read from memory
-    (docs/benchmarks.md, "A packed bf16 GEMM for AVX512-BF16 CPUs without AMX"). The plain weight stays the model's; weights the kernel does
-    not take (views, other dtypes) go to ``linear``, so the platform's own packing happens only
-    for them. ``on`` False or no kernel: ``linear`` itself."""
+    (docs/benchmarks.md, "A packed bf16 GEMM for AVX512-BF16 CPUs without AMX"). The plain
+    weight stays the model's; weights the kernel does not take (views, other dtypes) go to
+    ``linear``, so the platform's own packing happens only for them. ``on`` False or no kernel:
+    ``linear`` itself."""
     kernel = pbgemm() if on else None
     if kernel is None:
         return linear
