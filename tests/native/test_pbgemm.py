@@ -48,6 +48,19 @@ def test_matches_the_exact_product_rounded_once(m, n, k, bias):
 
 
 @needs_kernel
+def test_a_bf16_bias_is_widened_in_the_kernel_like_a_float32_one():
+    """The model's bf16 bias goes in as it is (a replayed decode step has no conversion op
+    before the call); widened exactly, it gives the fp32 bias's bits."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(13, 96, generator=gen).bfloat16()
+    w = torch.randn(130, 96, generator=gen).bfloat16()
+    b = torch.randn(130, generator=gen).bfloat16()
+    packed = KERNEL.pack(w)
+    assert torch.equal(KERNEL(x, packed, 130, b), KERNEL(x, packed, 130, b.float()))
+    assert not torch.equal(KERNEL(x, packed, 130, b), KERNEL(x, packed, 130))
+
+
+@needs_kernel
 def test_reads_strided_rows_and_leading_dimensions():
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(2, 9, 80, generator=gen).bfloat16()

@@ -333,7 +333,7 @@ class Pbgemm:
         self._pack.argtypes = [_P, _P, _I, _I]
         self._pack.restype = None
         self._fn = lib.pbgemm_bf16
-        self._fn.argtypes = [_P, _P, _I, _P, _P, _I, _I, _I]
+        self._fn.argtypes = [_P, _P, _I, _P, _P, ctypes.c_int, _I, _I, _I]
         self._fn.restype = ctypes.c_int
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
@@ -346,17 +346,23 @@ class Pbgemm:
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] bf16, ``pack``'s copy of an [n, K] weight, bias [n] or None -> [..., n]
-        bf16 (the bias added to the fp32 sums before the one rounding)."""
+        """x [..., K] bf16, ``pack``'s copy of an [n, K] weight, bias [n] (bf16 or float32) or
+        None -> [..., n] bf16 (the bias added to the fp32 sums before the one rounding; the
+        kernel widens a bf16 one, so a replayed step has no conversion op before the call)."""
         k = x.shape[-1]
         x2 = _rows(x, k)
-        assert packed.numel() == self._size(n, k), "packed for another shape"
-        b = None if bias is None else bias.float().contiguous()
+        # pbgemm_packed_size's sum, not its call (a replayed step would repeat the call)
+        assert packed.numel() == -(-n // 64) * 64 * (k + k % 2), "packed for another shape"
+        b = None if bias is None else bias.contiguous()
+        if b is not None:
+            assert b.numel() == n, f"bias of {b.numel()} for {n} columns"
+            b = b if b.dtype in (torch.bfloat16, torch.float32) else b.float()
         out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
         if out.numel() == 0:  # no rows (an empty chunk): F.linear's empty result
             return out.view(*x.shape[:-1], n)
         status = self._fn(out.data_ptr(), x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                          None if b is None else b.data_ptr(), x2.shape[0], n, k)
+                          None if b is None else b.data_ptr(),
+                          int(b is not None and b.dtype == torch.bfloat16), x2.shape[0], n, k)
         if status:
             raise ValueError(f"pbgemm_bf16: unsupported shapes x {tuple(x.shape)}, n {n}")
         return out.view(*x.shape[:-1], n)

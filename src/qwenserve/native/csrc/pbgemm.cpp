@@ -2,6 +2,9 @@
 //
 //   y[m, n] = round_bf16(sum_k x[m, k] * w[n, k] + bias[n])          (fp32 sums)
 //
+// (the bias, bf16 or fp32, widened in the kernel: no conversion op before the call, so a
+// recorded decode step replays it as it stands, worker/decode_replay.py)
+//
 // vdpbf16ps multiplies 16 pairs of bf16 and adds each pair's two products to one fp32 lane, so
 // its packed operand holds 16 outputs x a pair of k: the weight is packed into panels of 64
 // columns, [N / 64][K / 2][64][2] (the last panel and an odd K padded with zeros), and each
@@ -123,10 +126,11 @@ void pbgemm_pack(uint16_t* dst, const uint16_t* w, int64_t N, int64_t K) {
   }
 }
 
-// x [M, K] (rows ldx apart), the packed weight of w [N, K], bias [N] (fp32) or null -> y [M, N]
-// bf16 (contiguous). 0 on success; 1: shapes not supported or no AVX512-BF16 in this build.
+// x [M, K] (rows ldx apart), the packed weight of w [N, K], bias [N] (bf16 where bias_bf16,
+// else fp32) or null -> y [M, N] bf16 (contiguous). 0 on success; 1: shapes not supported or no
+// AVX512-BF16 in this build.
 int pbgemm_bf16(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* packed,
-                const float* bias, int64_t M, int64_t N, int64_t K) {
+                const void* bias, int bias_bf16, int64_t M, int64_t N, int64_t K) {
 #if defined(QS_PBGEMM)
   if (M <= 0 || N <= 0 || K <= 0 || ldx < K) return 1;
   const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2;
@@ -138,7 +142,18 @@ int pbgemm_bf16(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* pac
     const int64_t p = task / chunks, m0 = task % chunks * ROW_CHUNK;
     const int64_t m1 = std::min(M, m0 + ROW_CHUNK), cols = std::min(PANEL, N - p * PANEL);
     const uint16_t* panel = packed + p * pairs * 2 * PANEL;
-    const float* b = bias ? bias + p * PANEL : nullptr;
+    alignas(64) float panel_bias[PANEL];  // the panel's bias in fp32 (0 past N)
+    const float* b = nullptr;
+    if (bias) {
+      for (int64_t c = 0; c < PANEL; ++c) {
+        const int64_t n = p * PANEL + c;
+        uint32_t bits = 0;
+        if (n < N && bias_bf16) bits = uint32_t{static_cast<const uint16_t*>(bias)[n]} << 16;
+        if (n < N && !bias_bf16) std::memcpy(&bits, static_cast<const float*>(bias) + n, 4);
+        std::memcpy(&panel_bias[c], &bits, 4);
+      }
+      b = panel_bias;
+    }
     // The first row block reads the panel from memory and the rest from L2; at decode sizes
     // that first pass ran at the read bandwidth, not the dot products' speed (a 64-row gate_up
     // GEMM over weights from DRAM at ~70% of the peak), so the task's blocks fetch the next
@@ -157,7 +172,8 @@ int pbgemm_bf16(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* pac
   }
   return 0;
 #else
-  (void)y, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K;
+  (void)y, (void)x, (void)ldx, (void)packed, (void)bias, (void)bias_bf16, (void)M, (void)N,
+      (void)K;
   return 1;
 #endif
 }
