@@ -15,9 +15,10 @@ from transformers import Qwen2Config
 from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.linear import LinearBase
+from qwenserve.layers.native_gemm import packed_bf16_kernel
 from qwenserve.models.base import ModelContext
 from qwenserve.models.qwen2 import Qwen2ForCausalLM
-from qwenserve.native.gemm import Pbgemm, pbgemm
+from qwenserve.native.gemm import pbgemm
 from qwenserve.platforms.cpu import CpuPlatform
 from qwenserve.worker.warm_up import warm_up_gemms, warm_up_rows
 
@@ -62,7 +63,7 @@ def test_a_vision_tower_is_left_alone():
     assert tower and not tower & set(gemm.weights)
 
 
-def test_the_rows_reach_the_cpu_platform_gemm(monkeypatch):
+def test_the_rows_reach_the_cpu_platform_gemm():
     """On CPU the warm-up rows pass the native kernels that read the plain weight (the skinny
     GEMM's 1-4 float32 rows, the AMX GEMM's 1-96 bf16 rows) and, where oneDNN keeps packed
     float32 copies (AVX512 CPUs), stay below the native float32 GEMM's rows: otherwise the
@@ -71,19 +72,19 @@ def test_the_rows_reach_the_cpu_platform_gemm(monkeypatch):
     native packed bf16 GEMM makes its own copy from those rows instead. The weight's shape is
     one every kernel takes."""
     platform = CpuPlatform()
-    packs = []
-    real_pack = Pbgemm.pack
-    monkeypatch.setattr(Pbgemm, "pack", lambda self, w: packs.append(w) or real_pack(self, w))
     native_bf16 = platform.packed_bf16_gemm() and pbgemm() is not None
+    # the packed GEMM's one store of packed weights (the GEMM route's and the fused MLP's)
+    store = packed_bf16_kernel()[1].packed if native_bf16 else None
+    packed_before = store.packed_bytes if native_bf16 else 0
     for dtype in (torch.float32, torch.bfloat16):
         packing = RecordingLinear()
         route = float_linear_route(platform, packing)
-        route(torch.randn(warm_up_rows(platform, dtype), 64, dtype=dtype),
-              torch.randn(64, 64, dtype=dtype))
+        weight = torch.randn(64, 64, dtype=dtype)  # kept: a freed weight's packing is dropped
+        route(torch.randn(warm_up_rows(platform, dtype), 64, dtype=dtype), weight)
         if dtype == torch.float32 and not platform._has_avx512():
             continue  # AVX2: no packed float32 copy to make; the native GEMM takes these rows
         if dtype == torch.bfloat16 and native_bf16:
-            assert packing.calls == 0 and len(packs) == 1
+            assert packing.calls == 0 and store.packed_bytes == packed_before + 64 * 64 * 2
             continue
         assert packing.calls == 1, dtype
 

@@ -20,6 +20,7 @@ from qwenserve.layers.native_gemm import (
     GreedyHeadFn,
     amx_gate_up_silu,
     amx_greedy_head,
+    packed_gate_up_silu,
     with_amx_gemm,
     with_native_gemm,
     with_packed_bf16_gemm,
@@ -134,7 +135,9 @@ class Backends:
             # the AMX GEMM's rows (one-row calls keep the skinny GEMM, as float_linear routes
             # them)
             gate_up_silu=amx_gate_up_silu(platform.bf16_skinny_gemm_max_rows + 1,
-                                          platform.amx_gemm_max_rows),
+                                          platform.amx_gemm_max_rows)
+            or packed_gate_up_silu(platform.bf16_skinny_gemm_max_rows + 1,
+                                   platform.packed_bf16_gemm()),
             greedy_head=amx_greedy_head(platform.bf16_skinny_gemm_max_rows + 1,
                                         platform.amx_gemm_max_rows),
         )

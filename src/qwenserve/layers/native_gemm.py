@@ -2,7 +2,8 @@
 
 Float32, prefill and many-sequence decode: the native blocked GEMM below. bf16, decode-sized
 batches on AMX CPUs: ``with_amx_gemm``, and an MLP's gate_up GEMM with its SiLU-and-mul in one
-kernel: ``amx_gate_up_silu``; bf16 on AVX512-BF16 CPUs without AMX: ``with_packed_bf16_gemm``.
+kernel: ``amx_gate_up_silu``; bf16 on AVX512-BF16 CPUs without AMX: ``with_packed_bf16_gemm``,
+and the same fusion on its packed weights: ``packed_gate_up_silu``.
 
 ``native/csrc/sgemm.cpp`` computes ``x @ W.T + b`` from the [N, K] weight as the model keeps it
 (only x is packed, per call), so weight accounting, tied embeddings and sharded-state saving see
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from qwenserve.native.gemm import Bgemm, Sgemm, bgemm, pbgemm, sgemm
+from qwenserve.native.gemm import Bgemm, Pbgemm, Sgemm, bgemm, pbgemm, sgemm
 from qwenserve.platforms.cpu_packed_gemm import PackedFloatLinear
 
 LinearFn = Callable[..., torch.Tensor]
@@ -62,6 +63,26 @@ def _takes(kernel: Sgemm | Bgemm, min_rows: int, max_rows: int | None, x: torch.
 
 
 @functools.cache
+def packed_bf16_kernel() -> tuple[Pbgemm, PackedFloatLinear] | None:
+    """The packed bf16 GEMM and the one store of its packed weights (the GEMM route and the
+    fused gate_up + SiLU share it: one packed copy of each weight), or None where it does not
+    build."""
+    kernel = pbgemm()
+    if kernel is None:
+        return None
+
+    def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, packed, weight.shape[0], bias)
+
+    return kernel, PackedFloatLinear(
+        torch.bfloat16, kernel.pack, run,
+        "bf16 GEMMs read each weight packed once for the native AVX512-BF16 kernel "
+        "(native/csrc/pbgemm.cpp): a second copy of the bf16 weights in host memory "
+        "(QWENSERVE_PACKED_BF16=0 turns this off)")
+
+
+@functools.cache
 def with_packed_bf16_gemm(linear: LinearFn, on: bool) -> LinearFn:
     """``linear`` with bf16 calls sent to ``native/csrc/pbgemm.cpp`` on a copy of each weight
     packed once (at its first call, which the worker's warm-up makes at load) into the kernel's
@@ -71,20 +92,32 @@ def with_packed_bf16_gemm(linear: LinearFn, on: bool) -> LinearFn:
     weight stays the model's; weights the kernel does not take (views, other dtypes) go to
     ``linear``, so the platform's own packing happens only for them. ``on`` False or no kernel:
     ``linear`` itself."""
-    kernel = pbgemm() if on else None
-    if kernel is None:
+    packed = packed_bf16_kernel() if on else None
+    if packed is None:
         return linear
+    return functools.partial(_packed_or, packed[1], linear)
 
-    def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, packed, weight.shape[0], bias)
 
-    packed = PackedFloatLinear(
-        torch.bfloat16, kernel.pack, run,
-        "bf16 GEMMs read each weight packed once for the native AVX512-BF16 kernel "
-        "(native/csrc/pbgemm.cpp): a second copy of the bf16 weights in host memory "
-        "(QWENSERVE_PACKED_BF16=0 turns this off)")
-    return functools.partial(_packed_or, packed, linear)
+@functools.cache
+def packed_gate_up_silu(min_rows: int, on: bool) -> GateUpSiluFn | None:
+    """An MLP's gate_up GEMM and SiLU-and-mul as one packed-GEMM kernel for bf16 calls of
+    ``min_rows`` rows or more (``Pbgemm.silu_mul``, on the packed copy ``with_packed_bf16_gemm``
+    keeps: the unfused path's result bit for bit, without its [rows, 2I] intermediate and the
+    pass over it), or None where that route is off (``on`` False, no kernel)."""
+    packed = packed_bf16_kernel() if on else None
+    if packed is None:
+        return None
+    return functools.partial(_packed_silu_mul, *packed, min_rows)
+
+
+def _packed_silu_mul(kernel: Pbgemm, packed: PackedFloatLinear, min_rows: int, x: torch.Tensor,
+                     weight: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows < min_rows or not packed.supports(x, weight) or not kernel.silu_mul_takes(
+            weight.shape[0]):
+        return None
+    return kernel.silu_mul(x, packed.packed(weight), weight.shape[0], bias)
 
 
 def _packed_or(packed: PackedFloatLinear, linear: LinearFn, x: torch.Tensor,

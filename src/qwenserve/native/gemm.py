@@ -321,7 +321,8 @@ def igemm() -> Igemm | None:
 class Pbgemm:
     """``csrc/pbgemm.cpp``: bf16 ``x @ w.T + bias`` with AVX512-BF16 dot products on a copy of w
     packed once into 64-column panels of k-pairs (``pack``), fp32 sums and one rounding, for
-    CPUs without AMX (where it ran 1.1-1.25x oneDNN's packed bf16 kernel at decode sizes)."""
+    CPUs without AMX (where it ran 1.1-1.25x oneDNN's packed bf16 kernel at decode sizes); and
+    an MLP's gate_up GEMM with its SiLU-and-mul in the epilogue (``silu_mul``)."""
 
     dtype = torch.bfloat16
 
@@ -333,8 +334,10 @@ class Pbgemm:
         self._pack.argtypes = [_P, _P, _I, _I]
         self._pack.restype = None
         self._fn = lib.pbgemm_bf16
-        self._fn.argtypes = [_P, _P, _I, _P, _P, ctypes.c_int, _I, _I, _I]
-        self._fn.restype = ctypes.c_int
+        self._silu_mul = lib.pbgemm_bf16_silu_mul
+        for fn in (self._fn, self._silu_mul):
+            fn.argtypes = [_P, _P, _I, _P, _P, ctypes.c_int, _I, _I, _I]
+            fn.restype = ctypes.c_int
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         """The packed copy of a bf16 [N, K] weight (a flat bf16 tensor)."""
@@ -349,6 +352,26 @@ class Pbgemm:
         """x [..., K] bf16, ``pack``'s copy of an [n, K] weight, bias [n] (bf16 or float32) or
         None -> [..., n] bf16 (the bias added to the fp32 sums before the one rounding; the
         kernel widens a bf16 one, so a replayed step has no conversion op before the call)."""
+        return self._run(self._fn, x, packed, n, n, bias)
+
+    @staticmethod
+    def silu_mul_takes(n: int) -> bool:
+        """Whether ``silu_mul`` takes a merged gate_up weight of n = 2I rows: I a multiple of
+        64, so that no panel holds both gate and up columns."""
+        return n % 128 == 0
+
+    def silu_mul(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """An MLP's ``silu_and_mul(x @ w.T + bias)`` in one kernel: x [..., K], ``pack``'s copy
+        of the merged w [n = 2I, K] (gate rows, then up rows; ``silu_mul_takes(n)``), bias [2I]
+        or None -> [..., I], bit for bit the GEMM followed by elementwise's SiLU-and-mul."""
+        assert self.silu_mul_takes(n), f"gate_up of {n} rows: I is not a multiple of 64"
+        return self._run(self._silu_mul, x, packed, n, n // 2, bias)
+
+    def _run(self, fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, n: int,
+             width: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``fn(y, x, ldx, packed, bias, bias_bf16, M, width, K)`` into a new [..., width] y, for
+        a weight of n rows packed."""
         k = x.shape[-1]
         x2 = _rows(x, k)
         # pbgemm_packed_size's sum, not its call (a replayed step would repeat the call)
@@ -357,15 +380,15 @@ class Pbgemm:
         if b is not None:
             assert b.numel() == n, f"bias of {b.numel()} for {n} columns"
             b = b if b.dtype in (torch.bfloat16, torch.float32) else b.float()
-        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        out = torch.empty(x2.shape[0], width, dtype=torch.bfloat16)
         if out.numel() == 0:  # no rows (an empty chunk): F.linear's empty result
-            return out.view(*x.shape[:-1], n)
-        status = self._fn(out.data_ptr(), x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                          None if b is None else b.data_ptr(),
-                          int(b is not None and b.dtype == torch.bfloat16), x2.shape[0], n, k)
+            return out.view(*x.shape[:-1], width)
+        status = fn(out.data_ptr(), x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                    None if b is None else b.data_ptr(),
+                    int(b is not None and b.dtype == torch.bfloat16), x2.shape[0], width, k)
         if status:
-            raise ValueError(f"pbgemm_bf16: unsupported shapes x {tuple(x.shape)}, n {n}")
-        return out.view(*x.shape[:-1], n)
+            raise ValueError(f"{fn.__name__}: unsupported shapes x {tuple(x.shape)}, n {n}")
+        return out.view(*x.shape[:-1], width)
 
 
 @functools.cache

@@ -15,9 +15,18 @@
 // read from memory: 1.1-1.25x oneDNN at 16-64 rows, level at 512 (docs/benchmarks.md, "A packed
 // bf16 GEMM for AVX512-BF16 CPUs without AMX").
 // The packed copy sits beside the model's plain weight, as oneDNN's did (cpu_packed_gemm.py).
+//
+// pbgemm_bf16_silu_mul is an MLP's gate_up projection with its SiLU-and-mul in the epilogue, on
+// the same packed copy of w [2I, K] (I a multiple of 64: gate panel p and up panel I / 64 + p are
+// whole panels): each row block's gate sums wait in fp32 in a small buffer while the up panel
+// runs, then y = silu(gate) * up with elementwise.cpp's roundings (gate and up as the bf16 the
+// GEMM would store, silu rounded to bf16, the product rounded once), so the result is the
+// unfused path's bit for bit without its [M, 2I] intermediate and the pass over it.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -31,12 +40,17 @@ constexpr int64_t ROW_CHUNK = 192;  // rows of x a task (a multiple of RB)
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define QS_PBGEMM 1
 
-// Rows m0 .. m0 + R - 1 of x against one panel: acc over the k-pairs, then + bias, rounded to
-// bf16 and stored to the `cols` (<= 64) live columns. An odd K's last pair holds x[K - 1] and 0
-// (the packed weight's pad is 0 too; reading past the row could meet an inf or NaN).
-template <int R>
+// How a micro-kernel's sums leave: rounded to bf16 into y (the GEMM), in fp32 into a gate buffer
+// [R][64] (a gate panel of the fused MLP), or as silu(gate) * up with that buffer (its up panel).
+enum Out { kStore, kGate, kSiluMul };
+
+// Rows m0 .. m0 + R - 1 of x against one panel: acc over the k-pairs, then + bias and out as OUT
+// says, to the `cols` (<= 64) live columns. An odd K's last pair holds x[K - 1] and 0 (the
+// packed weight's pad is 0 too; reading past the row could meet an inf or NaN).
+template <int R, Out OUT>
 void micro(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint16_t* panel,
-           const float* bias, int64_t K, int64_t cols, const uint16_t* ahead, int64_t ahead_lines) {
+           const float* bias, int64_t K, int64_t cols, const uint16_t* ahead, int64_t ahead_lines,
+           float* gate) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int n = 0; n < 4; ++n) acc[i][n] = _mm512_setzero_ps();
@@ -68,13 +82,27 @@ void micro(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint1
     for (int i = 0; i < R; ++i) xp[i] = x[i * ldx + K - 1];  // (x[K - 1], 0) as a pair
     step(panel + pairs * 2 * PANEL, xp);
   }
+  __m512 b[4];
+  for (int n = 0; n < 4; ++n) b[n] = bias ? _mm512_load_ps(bias + 16 * n) : _mm512_setzero_ps();
+  if constexpr (OUT == kGate) {
+    for (int i = 0; i < R; ++i)
+      for (int n = 0; n < 4; ++n)
+        _mm512_store_ps(gate + i * PANEL + 16 * n, _mm512_add_ps(acc[i][n], b[n]));
+    return;
+  }
+  if constexpr (OUT == kSiluMul) {  // acc becomes silu(gate) * up; the bias is in it after
+    const uint16_t* table = silu_table_choice() ? silu_bf16_table() : nullptr;
+    for (int i = 0; i < R; ++i)
+      for (int n = 0; n < 4; ++n) {
+        const __m512 g = _mm512_load_ps(gate + i * PANEL + 16 * n);
+        const __m512 silu = table ? silu_bf16(table, g) : bf16_round(silu16(bf16_round(g)));
+        acc[i][n] = _mm512_mul_ps(silu, bf16_round(_mm512_add_ps(acc[i][n], b[n])));
+      }
+    for (int n = 0; n < 4; ++n) b[n] = _mm512_setzero_ps();
+  }
   // bit c: column c of the panel is live (the last panel's columns past N are not stored)
   const uint64_t live = cols >= PANEL ? ~uint64_t{0} : (uint64_t{1} << cols) - 1;
   const __mmask32 lo = static_cast<__mmask32>(live), hi = static_cast<__mmask32>(live >> 32);
-  __m512 b[4];
-  for (int n = 0; n < 4; ++n)
-    b[n] = bias ? _mm512_maskz_loadu_ps(static_cast<__mmask16>(live >> (16 * n)), bias + 16 * n)
-                : _mm512_setzero_ps();
   for (int i = 0; i < R; ++i) {
     const __m512i first = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc[i][1], b[1]),
                                                       _mm512_add_ps(acc[i][0], b[0]));
@@ -86,8 +114,80 @@ void micro(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint1
 }
 
 using Micro = void (*)(uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*,
-                       const float*, int64_t, int64_t, const uint16_t*, int64_t);
-constexpr Micro kMicro[RB] = {micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>};
+                       const float*, int64_t, int64_t, const uint16_t*, int64_t, float*);
+template <Out OUT>
+constexpr Micro kMicro[RB] = {micro<1, OUT>, micro<2, OUT>, micro<3, OUT>,
+                              micro<4, OUT>, micro<5, OUT>, micro<6, OUT>};
+
+// Columns c0 .. c0 + 63 of a bias [N] (bf16 where bias_bf16, else fp32) in fp32, 0 past N.
+void panel_bias(float* dst, const void* bias, int bias_bf16, int64_t c0, int64_t N) {
+  for (int64_t c = 0; c < PANEL; ++c) {
+    uint32_t bits = 0;
+    if (c0 + c < N && bias_bf16)
+      bits = uint32_t{static_cast<const uint16_t*>(bias)[c0 + c]} << 16;
+    if (c0 + c < N && !bias_bf16) std::memcpy(&bits, static_cast<const float*>(bias) + c0 + c, 4);
+    std::memcpy(&dst[c], &bits, 4);
+  }
+}
+
+// Rows m0 .. m1-1 of x against a panel (and, fused, its up panel): the micro-kernel over 6-row
+// blocks. The first row block reads the panel from memory and the rest from L2; at decode sizes
+// that first pass ran at the read bandwidth, not the dot products' speed (a 64-row gate_up GEMM
+// over weights from DRAM at ~70% of the peak), so the blocks fetch the thread's next panel
+// (`next`, `next_up`; null: none) into L2 meanwhile: its 4 * pairs lines spread over the first
+// blocks, up to 4 lines a k-pair step.
+template <bool FUSED>
+void panel_rows(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint16_t* panel,
+                const uint16_t* up_panel, const float* bias, const float* up_bias, int64_t m0,
+                int64_t m1, int64_t K, int64_t cols, const uint16_t* next,
+                const uint16_t* next_up) {
+  const int64_t pairs = (K + 1) / 2;
+  const int64_t blocks = (m1 - m0 + RB - 1) / RB;
+  const int64_t per_step = (4 + blocks - 1) / blocks;  // lines a step: 1, 2 or 4
+  alignas(64) float gate[RB * PANEL];
+  for (int64_t m = m0, blk = 0; m < m1; m += RB, ++blk) {
+    const int64_t rows = std::min(RB, m1 - m), first_line = blk * per_step * pairs;
+    const int64_t lines = first_line < 4 * pairs ? per_step : 0;
+    const uint16_t* ahead = next ? next + first_line * 32 : nullptr;
+    if constexpr (FUSED) {
+      kMicro<kGate>[rows - 1](nullptr, 0, x + m * ldx, ldx, panel, bias, K, cols, ahead,
+                              ahead ? lines : 0, gate);
+      const uint16_t* ahead_up = next_up ? next_up + first_line * 32 : nullptr;
+      kMicro<kSiluMul>[rows - 1](y + m * ldy, ldy, x + m * ldx, ldx, up_panel, up_bias, K, cols,
+                                 ahead_up, ahead_up ? lines : 0, gate);
+    } else {
+      kMicro<kStore>[rows - 1](y + m * ldy, ldy, x + m * ldx, ldx, panel, bias, K, cols, ahead,
+                               ahead ? lines : 0, nullptr);
+    }
+  }
+}
+
+// y [M, N] = x [M, K] . w^T (+ bias) from w's packed copy, or (FUSED) y [M, N] = silu(gate) * up
+// of w [2N, K] (N % 64 == 0). Tasks are (panel, chunk of rows), panel-major: a thread's
+// consecutive tasks reuse its panel from L2, and each panel is read from memory about once
+// whatever the rows.
+template <bool FUSED>
+void run(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* packed, const void* bias,
+         int bias_bf16, int64_t M, int64_t N, int64_t K) {
+  const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2;
+  const int64_t panel_size = pairs * 2 * PANEL, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < panels * chunks; ++task) {
+    const int64_t p = task / chunks, m0 = task % chunks * ROW_CHUNK;
+    const int64_t m1 = std::min(M, m0 + ROW_CHUNK), cols = std::min(PANEL, N - p * PANEL);
+    alignas(64) float b[2][PANEL];  // the panels' bias in fp32 (0 past N)
+    if (bias) {
+      panel_bias(b[0], bias, bias_bf16, p * PANEL, FUSED ? 2 * N : N);
+      if (FUSED) panel_bias(b[1], bias, bias_bf16, N + p * PANEL, 2 * N);
+    }
+    const uint16_t* gate = packed + p * panel_size;  // (the panel itself where not fused)
+    const uint16_t* up = FUSED ? gate + panels * panel_size : nullptr;
+    const bool more = p + 1 < panels;  // the thread's next panel(s), if any, follow these
+    panel_rows<FUSED>(y + p * PANEL, N, x, ldx, gate, up, bias ? b[0] : nullptr,
+                      bias ? b[1] : nullptr, m0, m1, K, cols, more ? gate + panel_size : nullptr,
+                      more && FUSED ? up + panel_size : nullptr);
+  }
+}
 #endif
 
 }  // namespace
@@ -133,46 +233,27 @@ int pbgemm_bf16(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* pac
                 const void* bias, int bias_bf16, int64_t M, int64_t N, int64_t K) {
 #if defined(QS_PBGEMM)
   if (M <= 0 || N <= 0 || K <= 0 || ldx < K) return 1;
-  const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2;
-  const int64_t chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
-  // Tasks are (panel, chunk of rows), panel-major: a thread's consecutive tasks reuse its panel
-  // from L2, and each panel is read from memory about once whatever the rows.
-#pragma omp parallel for schedule(static)
-  for (int64_t task = 0; task < panels * chunks; ++task) {
-    const int64_t p = task / chunks, m0 = task % chunks * ROW_CHUNK;
-    const int64_t m1 = std::min(M, m0 + ROW_CHUNK), cols = std::min(PANEL, N - p * PANEL);
-    const uint16_t* panel = packed + p * pairs * 2 * PANEL;
-    alignas(64) float panel_bias[PANEL];  // the panel's bias in fp32 (0 past N)
-    const float* b = nullptr;
-    if (bias) {
-      for (int64_t c = 0; c < PANEL; ++c) {
-        const int64_t n = p * PANEL + c;
-        uint32_t bits = 0;
-        if (n < N && bias_bf16) bits = uint32_t{static_cast<const uint16_t*>(bias)[n]} << 16;
-        if (n < N && !bias_bf16) std::memcpy(&bits, static_cast<const float*>(bias) + n, 4);
-        std::memcpy(&panel_bias[c], &bits, 4);
-      }
-      b = panel_bias;
-    }
-    // The first row block reads the panel from memory and the rest from L2; at decode sizes
-    // that first pass ran at the read bandwidth, not the dot products' speed (a 64-row gate_up
-    // GEMM over weights from DRAM at ~70% of the peak), so the task's blocks fetch the next
-    // panel into L2 meanwhile: its 4 * pairs lines spread over the first blocks, up to 4 lines
-    // a k-pair step.
-    const uint16_t* next = panel + pairs * 2 * PANEL;
-    const int64_t blocks = (m1 - m0 + RB - 1) / RB;
-    const int64_t per_step = (4 + blocks - 1) / blocks;  // lines a step: 1, 2 or 4
-    for (int64_t m = m0, blk = 0; m < m1; m += RB, ++blk) {
-      const int64_t rows = std::min(RB, m1 - m);
-      const int64_t first_line = blk * per_step * pairs;
-      const bool fetch = p + 1 < panels && first_line < 4 * pairs;
-      kMicro[rows - 1](y + m * N + p * PANEL, N, x + m * ldx, ldx, panel, b, K, cols,
-                       next + first_line * 32, fetch ? per_step : 0);
-    }
-  }
+  run<false>(y, x, ldx, packed, bias, bias_bf16, M, N, K);
   return 0;
 #else
   (void)y, (void)x, (void)ldx, (void)packed, (void)bias, (void)bias_bf16, (void)M, (void)N,
+      (void)K;
+  return 1;
+#endif
+}
+
+// An MLP's silu(x w_gate^T + b_gate) * (x w_up^T + b_up) from the packed weight of its merged
+// w [2I, K] (I gate rows, then I up rows) and bias [2I] or null -> y [M, I] bf16, bit for bit
+// pbgemm_bf16 followed by elementwise.cpp's silu_and_mul. 1: I not a multiple of 64 (a panel
+// would hold gate and up columns), other shapes not supported, or no AVX512-BF16.
+int pbgemm_bf16_silu_mul(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* packed,
+                         const void* bias, int bias_bf16, int64_t M, int64_t I, int64_t K) {
+#if defined(QS_PBGEMM)
+  if (M <= 0 || I <= 0 || I % PANEL != 0 || K <= 0 || ldx < K) return 1;
+  run<true>(y, x, ldx, packed, bias, bias_bf16, M, I, K);
+  return 0;
+#else
+  (void)y, (void)x, (void)ldx, (void)packed, (void)bias, (void)bias_bf16, (void)M, (void)I,
       (void)K;
   return 1;
 #endif
