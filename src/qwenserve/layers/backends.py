@@ -21,6 +21,7 @@ from qwenserve.layers.native_gemm import (
     amx_gate_up_silu,
     amx_greedy_head,
     packed_gate_up_silu,
+    packed_greedy_head,
     with_amx_gemm,
     with_native_gemm,
     with_packed_bf16_gemm,
@@ -139,7 +140,9 @@ class Backends:
             or packed_gate_up_silu(platform.bf16_skinny_gemm_max_rows + 1,
                                    platform.packed_bf16_gemm()),
             greedy_head=amx_greedy_head(platform.bf16_skinny_gemm_max_rows + 1,
-                                        platform.amx_gemm_max_rows),
+                                        platform.amx_gemm_max_rows)
+            or packed_greedy_head(platform.bf16_skinny_gemm_max_rows + 1,
+                                  platform.packed_bf16_gemm()),
         )
 
     @classmethod

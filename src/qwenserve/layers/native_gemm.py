@@ -110,6 +110,27 @@ def packed_gate_up_silu(min_rows: int, on: bool) -> GateUpSiluFn | None:
     return functools.partial(_packed_silu_mul, *packed, min_rows)
 
 
+@functools.cache
+def packed_greedy_head(min_rows: int, on: bool) -> GreedyHeadFn | None:
+    """A greedy step's LM head as one packed-GEMM kernel for bf16 calls of ``min_rows`` rows or
+    more (``Pbgemm.argmax``: the token ids the packed GEMM and an argmax give, without writing
+    the [rows, vocab] logits and reading them back), on the packed copy ``with_packed_bf16_gemm``
+    keeps, or None where that route is off. The rows are those the GEMM route sends to the same
+    kernel, so the logits it ranks are bit for bit the ones the sampler would see."""
+    packed = packed_bf16_kernel() if on else None
+    if packed is None:
+        return None
+    return functools.partial(_packed_argmax, *packed, min_rows)
+
+
+def _packed_argmax(kernel: Pbgemm, packed: PackedFloatLinear, min_rows: int, x: torch.Tensor,
+                   weight: torch.Tensor) -> torch.Tensor | None:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows < min_rows or not packed.supports(x, weight):
+        return None
+    return kernel.argmax(x, packed.packed(weight), weight.shape[0])
+
+
 def _packed_silu_mul(kernel: Pbgemm, packed: PackedFloatLinear, min_rows: int, x: torch.Tensor,
                      weight: torch.Tensor, bias: torch.Tensor | None = None
                      ) -> torch.Tensor | None:

@@ -321,8 +321,9 @@ def igemm() -> Igemm | None:
 class Pbgemm:
     """``csrc/pbgemm.cpp``: bf16 ``x @ w.T + bias`` with AVX512-BF16 dot products on a copy of w
     packed once into 64-column panels of k-pairs (``pack``), fp32 sums and one rounding, for
-    CPUs without AMX (where it ran 1.1-1.25x oneDNN's packed bf16 kernel at decode sizes); and
-    an MLP's gate_up GEMM with its SiLU-and-mul in the epilogue (``silu_mul``)."""
+    CPUs without AMX (where it ran 1.1-1.25x oneDNN's packed bf16 kernel at decode sizes); an
+    MLP's gate_up GEMM with its SiLU-and-mul in the epilogue (``silu_mul``); a greedy LM head
+    with the argmax in it (``argmax``)."""
 
     dtype = torch.bfloat16
 
@@ -335,7 +336,8 @@ class Pbgemm:
         self._pack.restype = None
         self._fn = lib.pbgemm_bf16
         self._silu_mul = lib.pbgemm_bf16_silu_mul
-        for fn in (self._fn, self._silu_mul):
+        self._argmax = lib.pbgemm_bf16_argmax
+        for fn in (self._fn, self._silu_mul, self._argmax):
             fn.argtypes = [_P, _P, _I, _P, _P, ctypes.c_int, _I, _I, _I]
             fn.restype = ctypes.c_int
 
@@ -368,10 +370,17 @@ class Pbgemm:
         assert self.silu_mul_takes(n), f"gate_up of {n} rows: I is not a multiple of 64"
         return self._run(self._silu_mul, x, packed, n, n // 2, bias)
 
+    def argmax(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A greedy LM head in one kernel: x [..., K], ``pack``'s copy of w [n = V, K], bias [V]
+        or None -> [...] int64, ``(x @ w.T + bias).argmax(-1)`` of this GEMM's bf16 logits (the
+        first of equal maxima, NaN passed over, as ``Bgemm.argmax``) without the logits."""
+        return self._run(self._argmax, x, packed, n, 0, bias)
+
     def _run(self, fn: ctypes._CFuncPtr, x: torch.Tensor, packed: torch.Tensor, n: int,
              width: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """``fn(y, x, ldx, packed, bias, bias_bf16, M, width, K)`` into a new [..., width] y, for
-        a weight of n rows packed."""
+        """``fn(y, x, ldx, packed, bias, bias_bf16, M, N, K)`` into a new [..., width] bf16 y, for
+        a weight of n rows packed; width 0: ``fn`` writes one int64 token a row (N = n)."""
         k = x.shape[-1]
         x2 = _rows(x, k)
         # pbgemm_packed_size's sum, not its call (a replayed step would repeat the call)
@@ -380,15 +389,16 @@ class Pbgemm:
         if b is not None:
             assert b.numel() == n, f"bias of {b.numel()} for {n} columns"
             b = b if b.dtype in (torch.bfloat16, torch.float32) else b.float()
-        out = torch.empty(x2.shape[0], width, dtype=torch.bfloat16)
+        out = (torch.empty(x2.shape[0], width, dtype=torch.bfloat16) if width
+               else torch.empty(x2.shape[0], dtype=torch.int64))
         if out.numel() == 0:  # no rows (an empty chunk): F.linear's empty result
-            return out.view(*x.shape[:-1], width)
+            return out.view(*x.shape[:-1], width) if width else out.view(x.shape[:-1])
         status = fn(out.data_ptr(), x2.data_ptr(), x2.stride(0), packed.data_ptr(),
                     None if b is None else b.data_ptr(),
-                    int(b is not None and b.dtype == torch.bfloat16), x2.shape[0], width, k)
+                    int(b is not None and b.dtype == torch.bfloat16), x2.shape[0], width or n, k)
         if status:
             raise ValueError(f"{fn.__name__}: unsupported shapes x {tuple(x.shape)}, n {n}")
-        return out.view(*x.shape[:-1], width)
+        return out.view(*x.shape[:-1], width) if width else out.view(x.shape[:-1])
 
 
 @functools.cache

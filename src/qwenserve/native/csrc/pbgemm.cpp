@@ -25,6 +25,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
 
 #include "vec_math.h"
 #if defined(__AVX512F__)
@@ -41,16 +45,27 @@ constexpr int64_t ROW_CHUNK = 192;  // rows of x a task (a multiple of RB)
 #define QS_PBGEMM 1
 
 // How a micro-kernel's sums leave: rounded to bf16 into y (the GEMM), in fp32 into a gate buffer
-// [R][64] (a gate panel of the fused MLP), or as silu(gate) * up with that buffer (its up panel).
-enum Out { kStore, kGate, kSiluMul };
+// [R][64] (a gate panel of the fused MLP), as silu(gate) * up with that buffer (its up panel), or
+// into each row's running argmax (a greedy LM head).
+enum Out { kStore, kGate, kSiluMul, kArgmax };
 
-// Rows m0 .. m0 + R - 1 of x against one panel: acc over the k-pairs, then + bias and out as OUT
-// says, to the `cols` (<= 64) live columns. An odd K's last pair holds x[K - 1] and 0 (the
-// packed weight's pad is 0 too; reading past the row could meet an inf or NaN).
+// Where a micro-kernel's rows leave (what OUT reads): y and its row stride; the gate buffer; the
+// running argmax of its rows (per row 16 lanes: the largest bf16-rounded logit seen in the
+// columns c with c % 16 == lane, and that column; a thread meets its columns in increasing
+// order, so a strict comparison keeps the first of equal maxima, and NaN never compares larger)
+// and the panel's first column.
+struct Tail {
+  uint16_t* y = nullptr;
+  int64_t ldy = 0;
+  float* gate = nullptr;
+  float* best = nullptr;
+  int32_t* column = nullptr;
+  int64_t n0 = 0;
+};
+
 template <int R, Out OUT>
-void micro(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint16_t* panel,
-           const float* bias, int64_t K, int64_t cols, const uint16_t* ahead, int64_t ahead_lines,
-           float* gate) {
+void micro(const uint16_t* x, int64_t ldx, const uint16_t* panel, const float* bias, int64_t K,
+           int64_t cols, const uint16_t* ahead, int64_t ahead_lines, const Tail& out) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int n = 0; n < 4; ++n) acc[i][n] = _mm512_setzero_ps();
@@ -84,37 +99,55 @@ void micro(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint1
   }
   __m512 b[4];
   for (int n = 0; n < 4; ++n) b[n] = bias ? _mm512_load_ps(bias + 16 * n) : _mm512_setzero_ps();
+  // bit c: column c of the panel is live (the last panel's columns past N are not stored)
+  const uint64_t live = cols >= PANEL ? ~uint64_t{0} : (uint64_t{1} << cols) - 1;
   if constexpr (OUT == kGate) {
     for (int i = 0; i < R; ++i)
       for (int n = 0; n < 4; ++n)
-        _mm512_store_ps(gate + i * PANEL + 16 * n, _mm512_add_ps(acc[i][n], b[n]));
+        _mm512_store_ps(out.gate + i * PANEL + 16 * n, _mm512_add_ps(acc[i][n], b[n]));
+    return;
+  }
+  if constexpr (OUT == kArgmax) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int i = 0; i < R; ++i) {
+      __m512 best = _mm512_loadu_ps(out.best + 16 * i);
+      __m512i column = _mm512_loadu_si512(out.column + 16 * i);
+      for (int n = 0; n < 4; ++n) {
+        const __m512 v = bf16_round(_mm512_add_ps(acc[i][n], b[n]));
+        const __mmask16 larger = static_cast<__mmask16>(live >> (16 * n)) &
+                                 _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, larger, v);
+        column = _mm512_mask_mov_epi32(
+            column, larger, _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(out.n0 + 16 * n))));
+      }
+      _mm512_storeu_ps(out.best + 16 * i, best);
+      _mm512_storeu_si512(out.column + 16 * i, column);
+    }
     return;
   }
   if constexpr (OUT == kSiluMul) {  // acc becomes silu(gate) * up; the bias is in it after
     const uint16_t* table = silu_table_choice() ? silu_bf16_table() : nullptr;
     for (int i = 0; i < R; ++i)
       for (int n = 0; n < 4; ++n) {
-        const __m512 g = _mm512_load_ps(gate + i * PANEL + 16 * n);
+        const __m512 g = _mm512_load_ps(out.gate + i * PANEL + 16 * n);
         const __m512 silu = table ? silu_bf16(table, g) : bf16_round(silu16(bf16_round(g)));
         acc[i][n] = _mm512_mul_ps(silu, bf16_round(_mm512_add_ps(acc[i][n], b[n])));
       }
     for (int n = 0; n < 4; ++n) b[n] = _mm512_setzero_ps();
   }
-  // bit c: column c of the panel is live (the last panel's columns past N are not stored)
-  const uint64_t live = cols >= PANEL ? ~uint64_t{0} : (uint64_t{1} << cols) - 1;
   const __mmask32 lo = static_cast<__mmask32>(live), hi = static_cast<__mmask32>(live >> 32);
   for (int i = 0; i < R; ++i) {
     const __m512i first = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc[i][1], b[1]),
                                                       _mm512_add_ps(acc[i][0], b[0]));
     const __m512i second = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc[i][3], b[3]),
                                                        _mm512_add_ps(acc[i][2], b[2]));
-    _mm512_mask_storeu_epi16(y + i * ldy, lo, first);
-    _mm512_mask_storeu_epi16(y + i * ldy + 32, hi, second);
+    _mm512_mask_storeu_epi16(out.y + i * out.ldy, lo, first);
+    _mm512_mask_storeu_epi16(out.y + i * out.ldy + 32, hi, second);
   }
 }
 
-using Micro = void (*)(uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*,
-                       const float*, int64_t, int64_t, const uint16_t*, int64_t, float*);
+using Micro = void (*)(const uint16_t*, int64_t, const uint16_t*, const float*, int64_t,
+                       int64_t, const uint16_t*, int64_t, const Tail&);
 template <Out OUT>
 constexpr Micro kMicro[RB] = {micro<1, OUT>, micro<2, OUT>, micro<3, OUT>,
                               micro<4, OUT>, micro<5, OUT>, micro<6, OUT>};
@@ -135,40 +168,50 @@ void panel_bias(float* dst, const void* bias, int bias_bf16, int64_t c0, int64_t
 // that first pass ran at the read bandwidth, not the dot products' speed (a 64-row gate_up GEMM
 // over weights from DRAM at ~70% of the peak), so the blocks fetch the thread's next panel
 // (`next`, `next_up`; null: none) into L2 meanwhile: its 4 * pairs lines spread over the first
-// blocks, up to 4 lines a k-pair step.
-template <bool FUSED>
-void panel_rows(uint16_t* y, int64_t ldy, const uint16_t* x, int64_t ldx, const uint16_t* panel,
-                const uint16_t* up_panel, const float* bias, const float* up_bias, int64_t m0,
-                int64_t m1, int64_t K, int64_t cols, const uint16_t* next,
-                const uint16_t* next_up) {
+// blocks, up to 4 lines a k-pair step. `out`: the rows' tail from row m0 (y, best and column
+// advance with the rows).
+template <Out OUT>
+void panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, const uint16_t* up_panel,
+                const float* bias, const float* up_bias, int64_t m0, int64_t m1, int64_t K,
+                int64_t cols, const uint16_t* next, const uint16_t* next_up, Tail out) {
   const int64_t pairs = (K + 1) / 2;
   const int64_t blocks = (m1 - m0 + RB - 1) / RB;
   const int64_t per_step = (4 + blocks - 1) / blocks;  // lines a step: 1, 2 or 4
   alignas(64) float gate[RB * PANEL];
+  out.gate = gate;
   for (int64_t m = m0, blk = 0; m < m1; m += RB, ++blk) {
     const int64_t rows = std::min(RB, m1 - m), first_line = blk * per_step * pairs;
     const int64_t lines = first_line < 4 * pairs ? per_step : 0;
     const uint16_t* ahead = next ? next + first_line * 32 : nullptr;
-    if constexpr (FUSED) {
-      kMicro<kGate>[rows - 1](nullptr, 0, x + m * ldx, ldx, panel, bias, K, cols, ahead,
-                              ahead ? lines : 0, gate);
+    const uint16_t* xm = x + m * ldx;
+    if constexpr (OUT == kSiluMul) {
+      kMicro<kGate>[rows - 1](xm, ldx, panel, bias, K, cols, ahead, ahead ? lines : 0, out);
       const uint16_t* ahead_up = next_up ? next_up + first_line * 32 : nullptr;
-      kMicro<kSiluMul>[rows - 1](y + m * ldy, ldy, x + m * ldx, ldx, up_panel, up_bias, K, cols,
-                                 ahead_up, ahead_up ? lines : 0, gate);
+      kMicro<kSiluMul>[rows - 1](xm, ldx, up_panel, up_bias, K, cols, ahead_up,
+                                 ahead_up ? lines : 0, out);
     } else {
-      kMicro<kStore>[rows - 1](y + m * ldy, ldy, x + m * ldx, ldx, panel, bias, K, cols, ahead,
-                               ahead ? lines : 0, nullptr);
+      kMicro<OUT>[rows - 1](xm, ldx, panel, bias, K, cols, ahead, ahead ? lines : 0, out);
     }
+    if (out.y) out.y += RB * out.ldy;
+    if (out.best) out.best += 16 * RB, out.column += 16 * RB;
   }
 }
 
-// y [M, N] = x [M, K] . w^T (+ bias) from w's packed copy, or (FUSED) y [M, N] = silu(gate) * up
-// of w [2N, K] (N % 64 == 0). Tasks are (panel, chunk of rows), panel-major: a thread's
-// consecutive tasks reuse its panel from L2, and each panel is read from memory about once
-// whatever the rows.
-template <bool FUSED>
+// A thread's running argmax state: [threads][M][16] lanes each (see Tail).
+struct Running {
+  std::vector<float> best;
+  std::vector<int32_t> column;
+};
+
+// y [M, N] = x [M, K] . w^T (+ bias) from w's packed copy (kStore); y [M, N] = silu(gate) * up of
+// w [2N, K], N % 64 == 0 (kSiluMul); or each thread's running argmax of the logits (kArgmax,
+// into `running`). Tasks are (panel, chunk of rows), panel-major: a thread's consecutive tasks
+// reuse its panel from L2, each panel is read from memory about once whatever the rows, and a
+// thread's columns come in increasing order.
+template <Out OUT>
 void run(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* packed, const void* bias,
-         int bias_bf16, int64_t M, int64_t N, int64_t K) {
+         int bias_bf16, int64_t M, int64_t N, int64_t K, Running* running = nullptr) {
+  constexpr bool fused = OUT == kSiluMul;
   const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2;
   const int64_t panel_size = pairs * 2 * PANEL, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for schedule(static)
@@ -177,15 +220,23 @@ void run(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* packed, co
     const int64_t m1 = std::min(M, m0 + ROW_CHUNK), cols = std::min(PANEL, N - p * PANEL);
     alignas(64) float b[2][PANEL];  // the panels' bias in fp32 (0 past N)
     if (bias) {
-      panel_bias(b[0], bias, bias_bf16, p * PANEL, FUSED ? 2 * N : N);
-      if (FUSED) panel_bias(b[1], bias, bias_bf16, N + p * PANEL, 2 * N);
+      panel_bias(b[0], bias, bias_bf16, p * PANEL, fused ? 2 * N : N);
+      if (fused) panel_bias(b[1], bias, bias_bf16, N + p * PANEL, 2 * N);
     }
     const uint16_t* gate = packed + p * panel_size;  // (the panel itself where not fused)
-    const uint16_t* up = FUSED ? gate + panels * panel_size : nullptr;
+    const uint16_t* up = fused ? gate + panels * panel_size : nullptr;
     const bool more = p + 1 < panels;  // the thread's next panel(s), if any, follow these
-    panel_rows<FUSED>(y + p * PANEL, N, x, ldx, gate, up, bias ? b[0] : nullptr,
-                      bias ? b[1] : nullptr, m0, m1, K, cols, more ? gate + panel_size : nullptr,
-                      more && FUSED ? up + panel_size : nullptr);
+    Tail out;
+    if constexpr (OUT == kArgmax) {
+      const int64_t at = (omp_get_thread_num() * M + m0) * 16;
+      out.best = running->best.data() + at, out.column = running->column.data() + at;
+      out.n0 = p * PANEL;
+    } else {
+      out.y = y + m0 * N + p * PANEL, out.ldy = N;
+    }
+    panel_rows<OUT>(x, ldx, gate, up, bias ? b[0] : nullptr, bias ? b[1] : nullptr, m0, m1, K,
+                    cols, more ? gate + panel_size : nullptr,
+                    more && fused ? up + panel_size : nullptr, out);
   }
 }
 #endif
@@ -233,7 +284,7 @@ int pbgemm_bf16(uint16_t* y, const uint16_t* x, int64_t ldx, const uint16_t* pac
                 const void* bias, int bias_bf16, int64_t M, int64_t N, int64_t K) {
 #if defined(QS_PBGEMM)
   if (M <= 0 || N <= 0 || K <= 0 || ldx < K) return 1;
-  run<false>(y, x, ldx, packed, bias, bias_bf16, M, N, K);
+  run<kStore>(y, x, ldx, packed, bias, bias_bf16, M, N, K);
   return 0;
 #else
   (void)y, (void)x, (void)ldx, (void)packed, (void)bias, (void)bias_bf16, (void)M, (void)N,
@@ -250,10 +301,43 @@ int pbgemm_bf16_silu_mul(uint16_t* y, const uint16_t* x, int64_t ldx, const uint
                          const void* bias, int bias_bf16, int64_t M, int64_t I, int64_t K) {
 #if defined(QS_PBGEMM)
   if (M <= 0 || I <= 0 || I % PANEL != 0 || K <= 0 || ldx < K) return 1;
-  run<true>(y, x, ldx, packed, bias, bias_bf16, M, I, K);
+  run<kSiluMul>(y, x, ldx, packed, bias, bias_bf16, M, I, K);
   return 0;
 #else
   (void)y, (void)x, (void)ldx, (void)packed, (void)bias, (void)bias_bf16, (void)M, (void)I,
+      (void)K;
+  return 1;
+#endif
+}
+
+// tokens [M] int64: each row's argmax over the columns of round_bf16(x w^T + bias), the first of
+// equal maxima (torch.argmax of pbgemm_bf16's y; NaN logits are passed over, as in
+// bgemm_bf16_argmax), without writing the [M, N] logits. x, packed, bias as pbgemm_bf16's.
+int pbgemm_bf16_argmax(int64_t* tokens, const uint16_t* x, int64_t ldx, const uint16_t* packed,
+                       const void* bias, int bias_bf16, int64_t M, int64_t N, int64_t K) {
+#if defined(QS_PBGEMM)
+  if (M <= 0 || N <= 0 || K <= 0 || ldx < K) return 1;
+  const int64_t threads = omp_get_max_threads();
+  static thread_local Running running;
+  running.best.assign(threads * M * 16, -std::numeric_limits<float>::infinity());
+  running.column.assign(threads * M * 16, 0);
+  run<kArgmax>(nullptr, x, ldx, packed, bias, bias_bf16, M, N, K, &running);
+  // threads hold increasing column ranges, each lane its columns in order: the largest value
+  // wins, and among equal ones the lowest column
+  for (int64_t m = 0; m < M; ++m) {
+    float top = -std::numeric_limits<float>::infinity();
+    int32_t at = 0;
+    for (int64_t t = 0; t < threads; ++t)
+      for (int64_t l = 0; l < 16; ++l) {
+        const float v = running.best[(t * M + m) * 16 + l];
+        const int32_t c = running.column[(t * M + m) * 16 + l];
+        if (v > top || (v == top && c < at)) top = v, at = c;
+      }
+    tokens[m] = at;
+  }
+  return 0;
+#else
+  (void)tokens, (void)x, (void)ldx, (void)packed, (void)bias, (void)bias_bf16, (void)M, (void)N,
       (void)K;
   return 1;
 #endif
