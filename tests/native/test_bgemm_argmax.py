@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.greedy_head import check_infinite_and_nan_logits
 from qwenserve.distributed.parallel_group import ParallelGroup
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.embedding import ParallelLMHead
@@ -66,20 +67,7 @@ def test_ties_go_to_the_first_column(threads):
 
 
 def test_infinite_and_nan_logits():
-    """A -inf bias leaves its column out; columns past a NaN still win (NaN never compares
-    larger); a row of -inf everywhere gives column 0 as argmax would."""
-    k, vocab = 32, 96
-    x = torch.ones(3, k).bfloat16()
-    w = torch.zeros(vocab, k).bfloat16()
-    w[10] = 0.5
-    w[70] = 0.25
-    bias = torch.zeros(vocab).bfloat16()
-    assert KERNEL.argmax(x, w, bias).tolist() == [10] * 3
-    bias[10] = -float("inf")
-    assert KERNEL.argmax(x, w, bias).tolist() == [70] * 3
-    bias[20] = float("nan")
-    assert KERNEL.argmax(x, w, bias).tolist() == [70] * 3
-    assert KERNEL.argmax(x, w, torch.full((vocab,), -float("inf")).bfloat16()).tolist() == [0] * 3
+    check_infinite_and_nan_logits(KERNEL.argmax)
 
 
 def test_strided_and_batched_x():

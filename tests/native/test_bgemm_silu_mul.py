@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config
 
+from helpers.fused_mlp import fused_calls_match_unfused, small_mlp
 from qwenserve.layers.activation import silu_and_mul
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.native_gemm import amx_gate_up_silu
-from qwenserve.models.base import ModelContext
-from qwenserve.models.dense import MLP
 from qwenserve.native.elementwise import elementwise
 from qwenserve.native.gemm import bgemm
 from qwenserve.platforms.cpu import CpuPlatform
@@ -71,33 +69,12 @@ def test_the_route_takes_the_amx_gemm_rows_only():
     assert Backends.for_platform(CpuPlatform()).gate_up_silu is amx_gate_up_silu(2, 96)
 
 
-def _mlp(backends: Backends, bias: bool) -> MLP:
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=80, num_attention_heads=4)
-    mlp = MLP(ModelContext(cfg, torch.bfloat16, 64, backends=backends), 80, bias, "mlp")
-    gen = torch.Generator().manual_seed(0)
-    mlp.gate_up_proj.weight.data.copy_(torch.randn(160, 64, generator=gen) / 8)
-    mlp.down_proj.weight.data.copy_(torch.randn(64, 80, generator=gen) / 9)
-    if bias:  # EAGLE-3's midlayer MLP has biases
-        mlp.gate_up_proj.bias.data.copy_(torch.randn(160, generator=gen))
-    return mlp
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_mlp_output_is_the_unfused_one(bias):
     """A CPU MLP at decode rows takes the fused kernel and gives the unfused path's output (the
     same module with the seam off); 200 rows (past the AMX GEMM's) are left to the unfused
     path."""
     backends = Backends.for_platform(CpuPlatform())
-    mlp = _mlp(backends, bias)
+    mlp = small_mlp(backends, bias, 80)
     assert mlp.gate_up_silu is backends.gate_up_silu is not None
-    calls = []
-    mlp.gate_up_silu = lambda *a: calls.append(a[0].shape[0]) or backends.gate_up_silu(*a)
-    for rows in (3, 64, 200):
-        x = torch.randn(rows, 64).bfloat16()
-        with torch.no_grad():
-            got = mlp(x)
-            seam, mlp.gate_up_silu = mlp.gate_up_silu, None
-            want = mlp(x)
-            mlp.gate_up_silu = seam
-        assert torch.equal(got, want), rows
-    assert calls == [3, 64, 200]
+    assert fused_calls_match_unfused(mlp, (3, 64, 200)) == [True, True, False]

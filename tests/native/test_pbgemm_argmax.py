@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.greedy_head import check_infinite_and_nan_logits
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.native_gemm import packed_greedy_head
@@ -71,22 +72,8 @@ def test_ties_go_to_the_first_column(threads):
 
 
 def test_infinite_and_nan_logits():
-    """A -inf bias leaves its column out; columns past a NaN still win (NaN never compares
-    larger); a row of -inf everywhere gives column 0 as argmax would."""
-    k, vocab = 32, 96
-    x = torch.ones(3, k).bfloat16()
-    w = torch.zeros(vocab, k).bfloat16()
-    w[10] = 0.5
-    w[70] = 0.25
-    packed = KERNEL.pack(w)
-    bias = torch.zeros(vocab).bfloat16()
-    assert KERNEL.argmax(x, packed, vocab, bias).tolist() == [10] * 3
-    bias[10] = -float("inf")
-    assert KERNEL.argmax(x, packed, vocab, bias).tolist() == [70] * 3
-    bias[20] = float("nan")
-    assert KERNEL.argmax(x, packed, vocab, bias).tolist() == [70] * 3
-    minus_inf = torch.full((vocab,), -float("inf")).bfloat16()
-    assert KERNEL.argmax(x, packed, vocab, minus_inf).tolist() == [0] * 3
+    check_infinite_and_nan_logits(
+        lambda x, w, bias: KERNEL.argmax(x, KERNEL.pack(w), w.shape[0], bias))
 
 
 def test_strided_and_batched_x():

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config
 
+from helpers.fused_mlp import fused_calls_match_unfused, small_mlp
 from qwenserve.layers.activation import silu_and_mul
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.native_gemm import packed_bf16_kernel, packed_gate_up_silu
-from qwenserve.models.base import ModelContext
-from qwenserve.models.dense import MLP
 from qwenserve.native.elementwise import elementwise
 from qwenserve.native.gemm import pbgemm
 from qwenserve.platforms import cpu as cpu_platform
@@ -115,35 +113,13 @@ def test_the_platform_fuses_on_the_packed_gemm_only_without_amx(monkeypatch, amx
         assert fused is packed_gate_up_silu(2, True)
 
 
-def _mlp(backends: Backends, bias: bool) -> MLP:
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4)
-    mlp = MLP(ModelContext(cfg, torch.bfloat16, 64, backends=backends), 128, bias, "mlp")
-    gen = torch.Generator().manual_seed(0)
-    mlp.gate_up_proj.weight.data.copy_(torch.randn(256, 64, generator=gen) / 8)
-    mlp.down_proj.weight.data.copy_(torch.randn(64, 128, generator=gen) / 11)
-    if bias:  # EAGLE-3's midlayer MLP has biases
-        mlp.gate_up_proj.bias.data.copy_(torch.randn(256, generator=gen))
-    return mlp
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_mlp_output_is_the_unfused_one(monkeypatch, bias):
     """A CPU MLP (without AMX) at decode and prefill rows takes the fused kernel and gives the
     unfused path's output (the same module with the seam off); one row is left to the skinny
-    GEMM's unfused path."""
+    GEMM's unfused path; 700 rows are two chunks of the MLP's 512."""
     monkeypatch.setattr(cpu_platform, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     backends = Backends.for_platform(CpuPlatform())
-    mlp = _mlp(backends, bias)
+    mlp = small_mlp(backends, bias, 128)
     assert mlp.gate_up_silu is backends.gate_up_silu is packed_gate_up_silu(2, True)
-    taken = []
-    mlp.gate_up_silu = lambda *a: taken.append(backends.gate_up_silu(*a)) or taken[-1]
-    for rows in (1, 3, 64, 700):
-        x = torch.randn(rows, 64).bfloat16()
-        with torch.no_grad():
-            got = mlp(x)
-            seam, mlp.gate_up_silu = mlp.gate_up_silu, None
-            want = mlp(x)
-            mlp.gate_up_silu = seam
-        assert torch.equal(got, want), rows
-    # 1 row: not taken; 700 rows: two chunks of the MLP's 512 rows
-    assert [t is not None for t in taken] == [False, True, True, True, True]
+    assert fused_calls_match_unfused(mlp, (1, 3, 64, 700)) == [False, True, True, True, True]
