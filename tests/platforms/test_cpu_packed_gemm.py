@@ -6,6 +6,7 @@ platform chooses them only where the CPU runs them natively and the switch is on
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from qwenserve.platforms.cpu import CpuPlatform
 from qwenserve.platforms.cpu_packed_gemm import (
     PackedFloatLinear,
     PackedInt8Matmul,
+    much_slower,
     packed_float_linear,
     packed_int8_matmul,
 )
@@ -133,6 +135,7 @@ def test_platform_routes_int8_to_packed_weights_only_with_vnni_or_amx(monkeypatc
     if expect_packed and packed_int8_matmul() is None:
         pytest.skip("this torch build / CPU cannot pack int8 weights for oneDNN")
     monkeypatch.setattr(CpuPlatform, "_has_int8_dot", staticmethod(lambda: int8_dot))
+    monkeypatch.setattr(cpu_platform, "int8_packing_pays", lambda: True)  # (speed: below)
     set_switch(monkeypatch, "QWENSERVE_PACKED_INT8", switch)
     calls = []
     monkeypatch.setattr(PackedInt8Matmul, "__call__",
@@ -141,6 +144,21 @@ def test_platform_routes_int8_to_packed_weights_only_with_vnni_or_amx(monkeypatc
     w_q = torch.randint(-127, 128, (8, 32), dtype=torch.int8)
     CpuPlatform().int8_scaled_mm(a_q, w_q, torch.ones(8), None, None, torch.float32)
     assert bool(calls) == expect_packed
+
+
+def test_int8_packing_is_left_where_onednn_runs_it_on_a_reference_path(monkeypatch):
+    """On a Zen 5 EPYC (AVX512-VNNI, no AMX) oneDNN's packed int8 GEMM ran at 0.2 GOP/s, ~1,000x
+    below torch._int_mm: the platform then keeps torch._int_mm (the probe compares the two)."""
+    assert much_slower(lambda: time.sleep(0.01), lambda: None)
+    assert not much_slower(lambda: None, lambda: time.sleep(0.01))
+    monkeypatch.setattr(CpuPlatform, "_has_int8_dot", staticmethod(lambda: True))
+    monkeypatch.delenv("QWENSERVE_PACKED_INT8", raising=False)
+    monkeypatch.setattr(cpu_platform, "int8_packing_pays", lambda: False)
+    assert CpuPlatform()._packed_int8 is None
+    a_q = torch.randint(-128, 128, (3, 32), dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (8, 32), dtype=torch.int8)
+    got = CpuPlatform().int8_scaled_mm(a_q, w_q, torch.ones(8), None, None, torch.float32)
+    torch.testing.assert_close(got, (a_q.float() @ w_q.float().t()))
 
 
 # (dtype, the CPU feature it needs, its switch): bf16 where bf16 is native, float32 on AVX512

@@ -14,6 +14,7 @@ from qwenserve.platforms.base import EVERY_ROW, Platform, int32_epilogue
 from qwenserve.platforms.cpu_packed_gemm import (
     PackedFloatLinear,
     PackedInt8Matmul,
+    int8_packing_pays,
     packed_float_linear,
     packed_int8_matmul,
 )
@@ -219,10 +220,12 @@ class CpuPlatform(Platform):
         platform, not per GEMM call, as float_linear's route is): torch._int_mm
         reorders the plain weight on every call; packed, the large shapes (gate_up, LM head) ran
         1.2-2.6x faster at 1-64 rows on a Sapphire Rapids Xeon, the small ones the same
-        (docs/benchmarks.md, "INT8 on AMX")."""
+        (docs/benchmarks.md, "INT8 on AMX"). Not where oneDNN runs it on a reference path
+        (``int8_packing_pays``: a Zen 5 EPYC with AVX512-VNNI, 0.2 GOP/s)."""
         if not self._has_int8_dot() or os.environ.get("QWENSERVE_PACKED_INT8") == "0":
             return None
-        return packed_int8_matmul()
+        packed = packed_int8_matmul()
+        return packed if packed is not None and int8_packing_pays() else None
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Callable
 
@@ -213,3 +214,39 @@ def packed_float_linear(dtype: torch.dtype) -> PackedFloatLinear | None:
 def packed_int8_matmul() -> PackedInt8Matmul | None:
     """The packed int8 GEMM where this torch build has it and it sums exactly."""
     return PackedInt8Matmul() if _self_test(_int8_pair, "int8") else None
+
+
+def much_slower(candidate: Callable[[], object], reference: Callable[[], object],
+                factor: float = 8.0) -> bool:
+    """Whether ``candidate`` takes more than ``factor`` times ``reference``'s time (best of
+    three each, after one call): a kernel on a reference (scalar) path, not a close call."""
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+    return best(candidate) > factor * best(reference)
+
+
+@functools.lru_cache(maxsize=1)
+def int8_packing_pays() -> bool:
+    """Whether oneDNN's packed int8 GEMM runs at a JIT kernel's speed here: on a Zen 5 EPYC
+    (AVX512-VNNI, no AMX) it took its reference path, 0.2 GOP/s (512 rows of the 1152 x 896 qkv
+    GEMM: 4.8 s, torch._int_mm 1.3 ms), which made W8A8's load-time warm-up take 7 minutes and
+    every prefill GEMM seconds. Measured once per process on a small GEMM (a few ms where slow),
+    against torch._int_mm on the same operands; logged where it does not pay."""
+    a = torch.randint(-128, 128, (32, 256), dtype=torch.int8)
+    w = torch.randint(-127, 128, (256, 256), dtype=torch.int8)
+    packed, scale = _pack_int8(w), torch.ones(256)
+    try:
+        slow = much_slower(lambda: _packed_int8_mm(a, packed, scale, None),
+                           lambda: torch._int_mm(a, w.t()))
+    except (RuntimeError, AttributeError):  # no torch._int_mm: nothing faster to compare with
+        return True
+    if slow:
+        logger.info("oneDNN's packed int8 GEMM runs far below torch._int_mm on this CPU (a "
+                    "reference path): int8 GEMMs use torch._int_mm on the plain weight")
+    return not slow
