@@ -7,6 +7,7 @@ runner executes. Prints the median decode step, the replayed calls' share of it 
 (the rest: LM head, sampler, scheduler), and ``--eager`` for the same run without replays.
 
     PYTHONPATH=src python benchmarks/replay_calls.py --shape qwen3.5-0.8b [--dtype bfloat16]
+    PYTHONPATH=src python benchmarks/replay_calls.py --shape qwen2.5-0.5b --quantization int8
 """
 
 from __future__ import annotations
@@ -64,12 +65,14 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--eager", action="store_true", help="--enforce-eager: no replays")
+    p.add_argument("--quantization", default=None, help="e.g. int8 (W8A8, quantized at load)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     decode_replay.replay = timed_replay
     model_runner.ModelRunner.execute = timed_execute(model_runner.ModelRunner.execute)
     llm = LLM(shaped_model(args.shape), dtype=args.dtype, max_model_len=1024,
-              enable_prefix_caching=False, enforce_eager=args.eager)
+              enable_prefix_caching=False, enforce_eager=args.eager,
+              quantization=args.quantization)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 100000) for _ in range(args.prompt_len)]}
                for _ in range(args.requests)]

@@ -163,6 +163,7 @@ def test_int8_path_computes_the_quantized_model_and_needs_no_int8_gemm(
     assert fast.max_logprob_err < 0.1 and fast.top1 >= 0.95
     monkeypatch.setattr(CpuPlatform, "int8_scaled_mm", lambda self, *args: None)
     monkeypatch.setattr(CpuPlatform, "int8_skinny_max_rows", lambda self: 0)  # nor the native one
+    monkeypatch.setattr(CpuPlatform, "packed_int8_gemm", lambda self: False)  # nor the packed one
     calls = []
     reference_mm = kernels.int8_mm_reference
     monkeypatch.setattr(kernels, "int8_mm_reference",

@@ -11,7 +11,7 @@ import torch
 from qwenserve import LLM, SamplingParams
 from qwenserve.native import build, native_enabled
 from qwenserve.native.elementwise import elementwise
-from qwenserve.native.gemm import bgemm, pbgemm
+from qwenserve.native.gemm import bgemm, igemm, pbgemm, pigemm
 from qwenserve.native.recording import record_calls, replay
 from qwenserve.platforms.cpu import CpuPlatform
 
@@ -21,6 +21,10 @@ needs_native = pytest.mark.skipif(not NATIVE, reason="no C++ compiler: no native
 # whose bias - Qwen2's qkv - goes in unconverted so the step stays replayable)
 BF16_GEMM_NATIVE = NATIVE and (bgemm() is not None or (
     pbgemm() is not None and CpuPlatform().packed_bf16_gemm()))
+# W8A8 GEMMs of 3+ rows are native calls on AMX-INT8 (igemm) or VNNI without it (the packed
+# int8 GEMM, with the scaling and the layer's bias in its epilogue)
+INT8_GEMM_NATIVE = NATIVE and (igemm() is not None or (
+    pigemm() is not None and CpuPlatform().packed_int8_gemm()))
 
 # lengths around the 16-token blocks, so decodes cross into new blocks
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((15, 16, 3, 33))]
@@ -65,8 +69,9 @@ def test_replayed_steps_give_the_eager_tokens_and_logprobs(tiny_model, arch, dty
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_5"])
 def test_w8a8_decode_steps_replay_like_eager(tiny_model, dtype, arch):
     """``--quantization int8``: one and two sequences run the native int8 GEMV with its scales
-    and the layer's bias in the kernel, more the AMX-INT8 GEMM where the CPU has it, so their
-    steps replay too (Qwen3.5's Gated DeltaNet projections included)."""
+    and the layer's bias in the kernel, more the AMX-INT8 GEMM where the CPU has it (the packed
+    VNNI GEMM on VNNI CPUs without it), so their steps replay too (Qwen3.5's Gated DeltaNet
+    projections included)."""
     path = tiny_model(arch)
     kw = dict(dtype=dtype, max_model_len=128, kv_cache_memory_bytes=16 << 20,
               quantization="int8")
@@ -75,6 +80,8 @@ def test_w8a8_decode_steps_replay_like_eager(tiny_model, dtype, arch):
         assert generate(replayed, prompts, 12) == generate(eager, prompts, 12)
     if dtype == "float32" or eager.llm_engine.executor.worker.backends.elementwise is not None:
         assert replays(replayed).replayed_steps > 0
+        if INT8_GEMM_NATIVE:
+            assert not replays(replayed)._refused  # four sequences' steps replayed too
     for llm in (eager, replayed):
         llm.llm_engine.shutdown()
 

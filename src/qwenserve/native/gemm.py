@@ -1,6 +1,6 @@
 """Typed Python faces of the GEMM kernels: the streaming GEMV, the blocked fp32 GEMM, the
-AMX bf16 GEMM for decode-sized batches and the packed bf16 GEMM of AVX512-BF16 CPUs without
-AMX."""
+AMX bf16 and int8 GEMMs for decode-sized batches, and the packed bf16 and int8 GEMMs of
+AVX512-BF16 / AVX512-VNNI CPUs without AMX."""
 
 from __future__ import annotations
 
@@ -409,3 +409,65 @@ def pbgemm() -> Pbgemm | None:
                           "packed bf16 GEMM not used: no AVX512-BF16 in this build (CPU or "
                           "compiler)")
     return None if lib is None else Pbgemm(lib)
+
+
+class Pigemm:
+    """``csrc/pigemm.cpp``: W8A8's GEMM with its scaling, with AVX512-VNNI dot products on a copy
+    of the int8 weight packed once into 64-column panels of k-quads (``pack``), for CPUs without
+    AMX-INT8: ``int32_epilogue``'s values (and a layer's float bias after them), as
+    ``Igemm.scaled`` gives, at any number of rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._pack = lib.pigemm_pack
+        self._pack.argtypes = [_P, _P, _I, _I]
+        self._pack.restype = None
+        self._fn = lib.pigemm_s8_scaled
+        self._fn.argtypes = [_P, _P, _I] + [_P] * 5 + [ctypes.c_int, _I, _I, _I]
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def packed_size(n: int, k: int) -> int:
+        """Bytes of an [n, k] weight's packed copy (``pigemm_packed_size``'s sum: 64-column
+        panels of k-quads, then 64 int32 corrections a panel)."""
+        return -(-n // 64) * (-(-k // 4) * 256 + 256)
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """The packed copy of an int8 [N, K] weight (a flat int8 tensor)."""
+        n, k = w.shape
+        w = w.contiguous()
+        out = torch.empty(self.packed_size(n, k), dtype=torch.int8)
+        self._pack(out.data_ptr(), w.data_ptr(), n, k)
+        return out
+
+    def scaled(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
+               token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """a_q [M, K] int8 (rows any stride apart), ``pack``'s copy of an int8 [n, K] weight,
+        scale [n] float32, token_scale [M, 1] float32, int_bias [n] int32, bias [n] in out_dtype
+        -> [M, n] in out_dtype; None for what it does not take (other dtypes, K of 2^16 or more)."""
+        m, k = a_q.shape if a_q.dim() == 2 else (0, 0)
+        if (a_q.dim() != 2 or a_q.dtype != torch.int8 or a_q.stride(1) != 1 or m == 0
+                or k >= 1 << 16 or packed.numel() != self.packed_size(n, k)):
+            return None
+        epilogue = _w8a8_epilogue(m, n, scale, token_scale, int_bias, bias, out_dtype)
+        if epilogue is None:
+            return None
+        s, ts, ib, b = _pointers(epilogue)
+        out = torch.empty(m, n, dtype=out_dtype)
+        status = self._fn(out.data_ptr(), a_q.data_ptr(), max(a_q.stride(0), k),
+                          packed.data_ptr(), s, ts, ib, b, int(out_dtype == torch.bfloat16),
+                          m, n, k)
+        if status:
+            raise ValueError(f"pigemm_s8_scaled: status {status} for x {tuple(a_q.shape)}, "
+                             f"n {n}")
+        return out
+
+
+@functools.cache
+def pigemm() -> Pigemm | None:
+    """The packed int8 GEMM, or None (logged once) where it cannot be built or the build has no
+    AVX512-VNNI."""
+    lib = _probed_library("pigemm", "pigemm_available",
+                          "packed int8 GEMM not used: no AVX512-VNNI in this build (CPU or "
+                          "compiler)", (*DEFAULT_CFLAGS, "-ffp-contract=off"))
+    return None if lib is None else Pigemm(lib)

@@ -102,6 +102,12 @@ class Platform(ABC):
         builds."""
         return False
 
+    def packed_int8_gemm(self) -> bool:
+        """Whether W8A8 GEMMs (of more rows than the skinny int8 GEMM takes) go to the native
+        packed int8 GEMM (native/csrc/pigemm.cpp, on its own once-packed copy of each weight)
+        where it builds."""
+        return False
+
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                        token_scale: torch.Tensor | None = None,
                        int_bias: torch.Tensor | None = None,

@@ -199,6 +199,16 @@ class CpuPlatform(Platform):
         return ("avx512_bf16" in flags and "amx_bf16" not in flags
                 and os.environ.get("QWENSERVE_PACKED_BF16") != "0")
 
+    def packed_int8_gemm(self) -> bool:
+        # AVX512-VNNI CPUs without AMX-INT8: native/csrc/pigemm.cpp, 1.85x the packed bf16 GEMM
+        # and 1.7x torch._int_mm at 64 rows over a 24-layer stack's W8A8 weights (Zen 5 EPYC,
+        # docs/benchmarks.md "A packed int8 GEMM for VNNI CPUs without AMX"), where oneDNN's own
+        # packed int8 kernel ran its reference path (int8_packing_pays). AMX-INT8 CPUs keep the
+        # tile kernel and oneDNN. QWENSERVE_PACKED_INT8=0 turns packing off (both kinds).
+        flags = _cpu_flags()
+        return ("avx512_vnni" in flags and "amx_int8" not in flags
+                and os.environ.get("QWENSERVE_PACKED_INT8") != "0")
+
     def int8_skinny_max_rows(self) -> int:
         # Without VNNI/AMX, oneDNN's int8 GEMM (torch._int_mm) took 0.9 ms per row of x on the
         # 1152 x 896 qkv weight on the AVX2 EPYC, 6-25x fp32's time at any row count, while the

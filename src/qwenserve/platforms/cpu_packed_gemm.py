@@ -24,6 +24,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -170,6 +171,42 @@ class PackedInt8Matmul:
         if token_scale is not None:
             out.mul_(token_scale)
         return out.to(out_dtype)
+
+
+class ScaledInt8Kernel(Protocol):
+    """A native W8A8 GEMM with its scaling in the epilogue, on a packed copy of the weight
+    (``native.gemm.Pigemm``)."""
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor: ...
+
+    def scaled(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
+               token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None
+               ) -> torch.Tensor | None: ...
+
+
+class PackedScaledInt8:
+    """A native W8A8 GEMM (``ScaledInt8Kernel``) on a once-packed copy of each int8 weight:
+    ``Igemm.scaled``'s contract (``int32_epilogue``'s values, a layer's float bias after them)
+    with the weight's packing kept here."""
+
+    def __init__(self, kernel: ScaledInt8Kernel) -> None:
+        self.kernel = kernel
+        self.packed = PackedWeights(
+            kernel.pack, "int8 GEMMs read each weight packed once for the native AVX512-VNNI "
+            "kernel (native/csrc/pigemm.cpp): a second copy of the int8 weights in host memory "
+            "(QWENSERVE_PACKED_INT8=0 turns this off)")
+
+    def scaled(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+               token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """a_q [M, K] int8, w_q [N, K] int8, scale [N] float32, token_scale [M, 1] float32,
+        int_bias [N] int32, bias [N] in out_dtype -> [M, N] in out_dtype; None for what the
+        kernel does not take (a weight that is a view, other dtypes or shapes)."""
+        if w_q.dtype != torch.int8 or not _is_packable(w_q) or a_q.shape[-1] != w_q.shape[1]:
+            return None
+        return self.kernel.scaled(a_q, self.packed(w_q), w_q.shape[0], scale, token_scale,
+                                  int_bias, out_dtype, bias)
 
 
 def _self_test(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], what: str) -> bool:

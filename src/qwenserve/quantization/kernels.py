@@ -88,7 +88,8 @@ class Int8Matmul:
     """The int8 GEMM of one platform, with the dequantizing fallback, and the per-token
     quantization of its activations. Up to the platform's ``int8_skinny_max_rows`` rows it runs
     the native kernel (``native/csrc/gemv.cpp``: exact int32 sums, read from the [N, K] int8
-    weight as stored) where that builds."""
+    weight as stored) where that builds; above them the AMX-INT8 kernel (its window) or the
+    packed VNNI one (``Platform.packed_int8_gemm``), with the scaling in their epilogues."""
 
     def __init__(self, platform: Platform | None, quantizer: RowQuantizer | None = None) -> None:
         self.platform = platform
@@ -107,6 +108,15 @@ class Int8Matmul:
             from qwenserve.native.gemm import igemm
 
             self.amx = igemm()
+        # the packed VNNI kernel (scaling and bias in its epilogue) above the skinny rows, on
+        # CPUs without AMX-INT8, where it builds
+        self.packed = None
+        if platform is not None and platform.packed_int8_gemm():
+            from qwenserve.native.gemm import pigemm
+            from qwenserve.platforms.cpu_packed_gemm import PackedScaledInt8
+
+            kernel = pigemm()
+            self.packed = None if kernel is None else PackedScaledInt8(kernel)
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``quantize_per_token(x)``, x [M, K], through the quantizer where it takes x: one pass
@@ -119,13 +129,18 @@ class Int8Matmul:
         return (self.skinny is not None and a_q.shape[0] <= self.skinny_rows
                 and self.skinny.supports(a_q, w_q))
 
-    def _amx(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
-             token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
-             out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The AMX-INT8 kernel's result, or None where it does not take the call."""
-        if self.amx is None or a_q.shape[0] > self.amx_rows:
-            return None
-        return self.amx.scaled(a_q, w_q, scale, token_scale, int_bias, out_dtype, bias)
+    def _scaling_kernel(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                        token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+                        out_dtype: torch.dtype, bias: torch.Tensor | None = None
+                        ) -> torch.Tensor | None:
+        """The result of a native kernel with the scaling in its epilogue (the AMX-INT8 one
+        within its window, the packed VNNI one at any rows), or None where neither takes the
+        call."""
+        if self.amx is not None and a_q.shape[0] <= self.amx_rows:
+            return self.amx.scaled(a_q, w_q, scale, token_scale, int_bias, out_dtype, bias)
+        if self.packed is not None:
+            return self.packed.scaled(a_q, w_q, scale, token_scale, int_bias, out_dtype, bias)
+        return None
 
     def _quantizer_scales(self, rows: int) -> bool:
         return self.platform is not None and self.quantizer is not None and rows > 1
@@ -142,7 +157,7 @@ class Int8Matmul:
         """``(a_q @ w_q.T + int_bias) * scale`` in float32 through the platform's GEMM (the
         per-token scale not yet applied), or None where the platform has no int8 GEMM."""
         assert self.platform is not None
-        out = self._amx(a_q, w_q, scale, None, int_bias, torch.float32)
+        out = self._scaling_kernel(a_q, w_q, scale, None, int_bias, torch.float32)
         if out is not None:
             return out
         return self.platform.int8_scaled_mm(a_q, w_q, scale, None, int_bias, torch.float32)
@@ -162,9 +177,9 @@ class Int8Matmul:
                 return out  # the bias added in the kernel (decode steps stay native calls)
             # an out_dtype or scales the kernel does not take
             out = int32_epilogue(self.skinny(a_q, w_q), scale, token_scale, int_bias, out_dtype)
-        elif (amx := self._amx(a_q, w_q, scale, token_scale, int_bias, out_dtype, bias)) \
-                is not None:
-            return amx
+        elif (scaled := self._scaling_kernel(a_q, w_q, scale, token_scale, int_bias, out_dtype,
+                                             bias)) is not None:
+            return scaled
         elif token_scale is not None and self._quantizer_scales(a_q.shape[0]):
             # the platform scales per channel, the quantizer per token and casts: one pass
             acc = self.accumulate(a_q, w_q, scale, int_bias)
