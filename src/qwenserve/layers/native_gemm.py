@@ -123,10 +123,16 @@ def packed_greedy_head(min_rows: int, on: bool) -> GreedyHeadFn | None:
     return functools.partial(_packed_argmax, *packed, min_rows)
 
 
+def _packed_takes(packed: PackedFloatLinear, min_rows: int, x: torch.Tensor,
+                  weight: torch.Tensor) -> bool:
+    """Whether a packed-GEMM fusion takes this call: ``min_rows`` rows of x or more, in the
+    dtype and layout the packed store keeps."""
+    return x.numel() // max(x.shape[-1], 1) >= min_rows and packed.supports(x, weight)
+
+
 def _packed_argmax(kernel: Pbgemm, packed: PackedFloatLinear, min_rows: int, x: torch.Tensor,
                    weight: torch.Tensor) -> torch.Tensor | None:
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows < min_rows or not packed.supports(x, weight):
+    if not _packed_takes(packed, min_rows, x, weight):
         return None
     return kernel.argmax(x, packed.packed(weight), weight.shape[0])
 
@@ -134,9 +140,8 @@ def _packed_argmax(kernel: Pbgemm, packed: PackedFloatLinear, min_rows: int, x: 
 def _packed_silu_mul(kernel: Pbgemm, packed: PackedFloatLinear, min_rows: int, x: torch.Tensor,
                      weight: torch.Tensor, bias: torch.Tensor | None = None
                      ) -> torch.Tensor | None:
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows < min_rows or not packed.supports(x, weight) or not kernel.silu_mul_takes(
-            weight.shape[0]):
+    if not (_packed_takes(packed, min_rows, x, weight)
+            and kernel.silu_mul_takes(weight.shape[0])):
         return None
     return kernel.silu_mul(x, packed.packed(weight), weight.shape[0], bias)
 

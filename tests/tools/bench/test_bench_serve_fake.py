@@ -100,9 +100,11 @@ def test_chat_backend(make_fake_server, run_cli, tmp_path: Path) -> None:  # noq
     assert r["input_lens"] == [16 + 5] * 4
     d = delta(before, scrape(server.base_url))
     assert d["vllm:prompt_tokens_total"] == r["total_input_tokens"] == 84
-    # role chunk and first token arrive together: six ITL samples, the first ~0
+    # role chunk and first token arrive together: six ITL samples, the first ~0 (so TTFT is
+    # taken at the first chunk, not a later one); no time bound above the server's delay: a
+    # loaded CI host once stalled all four requests together (mean TTFT 451 ms)
     assert all(len(g) == 6 and g[0] < 0.01 for g in r["itls"])
-    assert 50 <= r["mean_ttft_ms"] < 110
+    assert 50 <= r["mean_ttft_ms"] < r["mean_e2el_ms"]
     body = server.state.requests[0]
     assert body["messages"][0]["content"][0]["type"] == "text"
     assert body["max_completion_tokens"] == 6
