@@ -126,11 +126,17 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
                 float scale) {
   const int64_t group = hq / hkv, slot_stride = hkv * d, chunks = CH > 0 ? CH : d / W;
   // per-thread buffers, reused across tasks and calls (see decode_seq16)
-  static thread_local std::vector<v8> qv, acc, rows;
-  static thread_local std::vector<float> scores, inv;
-  qv.resize(group * chunks), acc.assign(group * chunks, v8{}), rows.resize(block_size * chunks);
-  scores.resize(group * len), inv.resize(group);
-  float* qf = reinterpret_cast<float*>(qv.data());
+  static thread_local std::vector<v8> qv_buf, acc_buf, rows_buf;
+  static thread_local std::vector<float> scores_buf, inv_buf;
+  qv_buf.resize(group * chunks), acc_buf.assign(group * chunks, v8{});
+  rows_buf.resize(block_size * chunks), scores_buf.resize(group * len), inv_buf.resize(group);
+  // plain pointers for the loops (see decode_seq16: no thread_local lookup inside them)
+  v8* const qv = qv_buf.data();
+  v8* const acc = acc_buf.data();
+  v8* const rows = rows_buf.data();
+  float* const scores = scores_buf.data();
+  float* const inv = inv_buf.data();
+  float* qf = reinterpret_cast<float*>(qv);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t j = 0; j < d; ++j) qf[g * d + j] = to_float(q[(h * group + g) * d + j]) * scale;
   const int64_t slots_per_head = (block_size + group - 1) / group;  // prefetch_share's
@@ -141,20 +147,20 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
                         ? k_cache + table[b + 1] * block_size * slot_stride + h * d
                         : nullptr;
     for (int64_t t = 0; t < count; ++t)
-      load_row(rows.data() + t * chunks, k_cache + (base + t) * slot_stride + h * d, chunks);
+      load_row(rows + t * chunks, k_cache + (base + t) * slot_stride + h * d, chunks);
     for (int64_t g = 0; g < group; ++g) {
       prefetch_share(next, g, slots_per_head, block_size, slot_stride, d);
       v8 qg[CH > 0 ? CH : 1];
-      const v8* qsrc = qv.data() + g * chunks;
+      const v8* qsrc = qv + g * chunks;
       if constexpr (CH > 0)
         for (int c = 0; c < CH; ++c) qg[c] = qsrc[c];
-      float* sg = scores.data() + g * len + start;
+      float* sg = scores + g * len + start;
       int64_t t = 0;
       if constexpr (CH > 0) {
         for (; t + W <= count; t += W) {  // eight positions: independent chains, one reduction
           v8 s8[W];
           for (int p = 0; p < W; ++p) {
-            const v8* r = rows.data() + (t + p) * CH;
+            const v8* r = rows + (t + p) * CH;
             v8 s{};
             for (int c = 0; c < CH; ++c) s += r[c] * qg[c];
             s8[p] = s;
@@ -164,7 +170,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
         }
       }
       for (; t < count; ++t) {
-        const v8* r = rows.data() + t * chunks;
+        const v8* r = rows + t * chunks;
         v8 s{};
         if constexpr (CH > 0) {
           for (int c = 0; c < CH; ++c) s += r[c] * qg[c];
@@ -175,23 +181,23 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
       }
     }
   }
-  softmax_rows(scores.data(), inv.data(), group, len);
+  softmax_rows(scores, inv, group, len);
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t base = table[b] * block_size, count = std::min(block_size, len - start);
     const T* next = start + block_size < len
                         ? v_cache + table[b + 1] * block_size * slot_stride + h * d
                         : nullptr;
     for (int64_t t = 0; t < count; ++t)
-      load_row(rows.data() + t * chunks, v_cache + (base + t) * slot_stride + h * d, chunks);
+      load_row(rows + t * chunks, v_cache + (base + t) * slot_stride + h * d, chunks);
     for (int64_t g = 0; g < group; ++g) {
       prefetch_share(next, g, slots_per_head, block_size, slot_stride, d);
-      const float* wg = scores.data() + g * len + start;
-      v8* a = acc.data() + g * chunks;
+      const float* wg = scores + g * len + start;
+      v8* a = acc + g * chunks;
       if constexpr (CH > 0) {
         v8 ar[CH];
         for (int c = 0; c < CH; ++c) ar[c] = a[c];
         for (int64_t t = 0; t < count; ++t) {
-          const v8* r = rows.data() + t * CH;
+          const v8* r = rows + t * CH;
           for (int c = 0; c < CH; ++c) ar[c] += wg[t] * r[c];
         }
         for (int c = 0; c < CH; ++c) a[c] = ar[c];
@@ -201,7 +207,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
       }
     }
   }
-  const float* af = reinterpret_cast<const float*>(acc.data());
+  const float* af = reinterpret_cast<const float*>(acc);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t j = 0; j < d; ++j) store(out + (h * group + g) * d + j, af[g * d + j] * inv[g]);
 }
@@ -317,12 +323,24 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
   // at 64k tokens and Hq = 16), reused across tasks and calls: allocating and zeroing them per
   // task cost 20-30% of the kernel at short contexts (64 x 32 tokens x 24 layers: 2.6-3.1 ->
   // 2.0-2.1 ms). scores are written before they are read; acc and total are cleared.
-  static thread_local std::vector<float> scores;
-  static thread_local std::vector<__m512> rows, acc, shift, total;
-  static thread_local std::vector<typename Rows::Q> qv;
-  scores.resize(heads * len), rows.resize(block_size * row_vectors), shift.resize(heads);
-  acc.assign(heads * VC, _mm512_setzero_ps()), total.assign(heads, _mm512_setzero_ps());
-  qv.resize(heads * QV);
+  static thread_local std::vector<float> scores_buf, weights_buf;
+  static thread_local std::vector<__m512> rows_buf, acc_buf, shift_buf, total_buf;
+  static thread_local std::vector<typename Rows::Q> qv_buf;
+  scores_buf.resize(heads * len), rows_buf.resize(block_size * row_vectors);
+  shift_buf.resize(heads), qv_buf.resize(heads * QV);
+  const int64_t block16 = (block_size + 15) / 16 * 16;  // a head's weights of a block
+  weights_buf.resize(heads * block16 + 16);  // + 16: room to align to 64 bytes
+  acc_buf.assign(heads * VC, _mm512_setzero_ps()), total_buf.assign(heads, _mm512_setzero_ps());
+  // plain pointers for the loops: each use of a thread_local in them was a __tls_get_addr
+  // call, with every live vector register saved and reloaded around it (GCC did not hoist it)
+  float* const scores = scores_buf.data();
+  __m512* const rows = rows_buf.data();
+  __m512* const acc = acc_buf.data();
+  __m512* const shift = shift_buf.data();
+  __m512* const total = total_buf.data();
+  typename Rows::Q* const qv = qv_buf.data();
+  float* const weights = weights_buf.data() + (16 - reinterpret_cast<uintptr_t>(
+      weights_buf.data()) % 64 / 4) % 16;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t head = 0; head < heads; ++head)
     for (int c = 0; c < QV; ++c)
@@ -336,9 +354,9 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
     const int64_t count = std::min(block_size, len - start);
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
-      const typename Rows::Q* qg = qv.data() + head * QV;
+      const typename Rows::Q* qg = qv + head * QV;
       const T* kh = kb + (head / group) * d;
-      float* sg = scores.data() + head * len + start;
+      float* sg = scores + head * len + start;
       int64_t t = 0;
       for (; t + 16 <= count; t += 16) {
         __m512 s16[16];
@@ -353,7 +371,7 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
   // the V pass below, 16 lanes at a time, where the weights are used (no pass of their own
   // over the scores: 64 x 300-token contexts x 24 layers, 21.9 -> 21.4 ms).
   for (int64_t head = 0; head < heads; ++head)
-    shift[head] = _mm512_set1_ps(max16(scores.data() + head * len, len));
+    shift[head] = _mm512_set1_ps(max16(scores + head * len, len));
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const T* vb = v_cache + table[b] * block_size * slot_stride + h0 * d;
     const T* next = start + block_size < len
@@ -364,41 +382,41 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
       for (int c = 0; c < row_vectors; ++c)
         rows[t * row_vectors + c] = Rows::load_v(vb + t * slot_stride + 16 * c);
     }
+    // the block's softmax weights (unnormalised) of every head first: independent exp chains
+    // that overlap, where one head's exp ahead of its own FMAs left the core waiting on it
+    // and on the weights' store (64 x 300-token contexts, one layer in cache: ~20% of the
+    // kernel's samples)
+    for (int64_t head = 0; head < heads; ++head)
+      for (int64_t sub = 0; sub < count; sub += 16) {
+        const __mmask16 live = tail_mask(count - sub);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
+            _mm512_maskz_loadu_ps(live, scores + head * len + start + sub), shift[head])));
+        total[head] = _mm512_add_ps(total[head], e);
+        _mm512_store_ps(weights + head * block16 + sub, e);
+      }
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
-      const __m512* rh = rows.data() + (head / group) * VC;
+      const __m512* rh = rows + (head / group) * VC;
+      const float* w = weights + head * block16;
       // Heads of up to 128: two sets of accumulators (even and odd positions), twice the
       // independent FMA chains, so the FMA units are not waiting on the previous position's
       // sums (4-cycle latency). Heads of 256 have 16 chains in one set, and two sets took all
       // 32 registers and spilled (6 layers of 8 x 256 heads: 18.9 -> 15.7 ms with one).
       __m512 a[VC], o[VC];
       for (int c = 0; c < VC; ++c) a[c] = acc[head * VC + c], o[c] = _mm512_setzero_ps();
-      // the block's positions 16 at a time (blocks of 32 to 256 slots: a 16-lane vector of
-      // weights covered only the first 16, and the rest were summed with stale weights)
-      for (int64_t sub = 0; sub < count; sub += 16) {
-        const int64_t m = std::min<int64_t>(16, count - sub);
-        alignas(64) float w[16];  // these positions' softmax weights (unnormalised)
-        const __mmask16 live = tail_mask(m);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
-            _mm512_maskz_loadu_ps(live, scores.data() + head * len + start + sub),
-            shift[head])));
-        total[head] = _mm512_add_ps(total[head], e);
-        _mm512_store_ps(w, e);
-        const __m512* rs = rh + sub * row_vectors;
-        int64_t t = 0;
-        if constexpr (VC < 16) {
-          for (; t + 2 <= m; t += 2) {
-            const __m512 w0 = _mm512_set1_ps(w[t]), w1 = _mm512_set1_ps(w[t + 1]);
-            for (int c = 0; c < VC; ++c) {
-              a[c] = _mm512_fmadd_ps(w0, rs[t * row_vectors + c], a[c]);
-              o[c] = _mm512_fmadd_ps(w1, rs[(t + 1) * row_vectors + c], o[c]);
-            }
+      int64_t t = 0;
+      if constexpr (VC < 16) {
+        for (; t + 2 <= count; t += 2) {
+          const __m512 w0 = _mm512_set1_ps(w[t]), w1 = _mm512_set1_ps(w[t + 1]);
+          for (int c = 0; c < VC; ++c) {
+            a[c] = _mm512_fmadd_ps(w0, rh[t * row_vectors + c], a[c]);
+            o[c] = _mm512_fmadd_ps(w1, rh[(t + 1) * row_vectors + c], o[c]);
           }
         }
-        for (; t < m; ++t) {
-          const __m512 w0 = _mm512_set1_ps(w[t]);
-          for (int c = 0; c < VC; ++c) a[c] = _mm512_fmadd_ps(w0, rs[t * row_vectors + c], a[c]);
-        }
+      }
+      for (; t < count; ++t) {
+        const __m512 w0 = _mm512_set1_ps(w[t]);
+        for (int c = 0; c < VC; ++c) a[c] = _mm512_fmadd_ps(w0, rh[t * row_vectors + c], a[c]);
       }
       for (int c = 0; c < VC; ++c) acc[head * VC + c] = _mm512_add_ps(a[c], o[c]);
     }
@@ -477,10 +495,16 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   constexpr int64_t D = 32 * CH, DT = D / 16;  // dims; 16-dim output tiles
   const int64_t slot_stride = hkv * D, nkv = h1 - h0, heads = nkv * group, first = h0 * group;
   const int64_t groups16 = (len + 15) / 16, width = (len + 31) / 32 * 32;
-  static thread_local std::vector<uint16_t> qt, weights, vt;
-  static thread_local std::vector<float> craw, scores;
-  qt.resize(nkv * CH * TILE), craw.resize(groups16 * 256), scores.resize(16 * width);
-  weights.assign(nkv * TILE, 0), vt.resize(nkv * DT * TILE);
+  static thread_local std::vector<uint16_t> qt_buf, weights_buf, vt_buf;
+  static thread_local std::vector<float> craw_buf, scores_buf;
+  qt_buf.resize(nkv * CH * TILE), craw_buf.resize(groups16 * 256), scores_buf.resize(16 * width);
+  weights_buf.assign(nkv * TILE, 0), vt_buf.resize(nkv * DT * TILE);
+  // plain pointers for the loops (see decode_seq16: no thread_local lookup inside them)
+  uint16_t* const qt = qt_buf.data();
+  uint16_t* const weights = weights_buf.data();
+  uint16_t* const vt = vt_buf.data();
+  float* const craw = craw_buf.data();
+  float* const scores = scores_buf.data();
   alignas(64) float acc[16 * D];
   // Q^T tiles: a KV head's query heads' rows (others zero) as 32-bit pairs, transposed
   for (int64_t j = 0; j < nkv; ++j)
@@ -491,7 +515,7 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
                       ? _mm512_loadu_ps(q + (first + r) * D + 32 * c)
                       : _mm512_setzero_ps();
       qs_amx::transpose16(rows, cols);
-      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(qt.data() + (j * CH + c) * TILE + 32 * r,
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(qt + (j * CH + c) * TILE + 32 * r,
                                                    cols[r]);
     }
   // position t's row (KV heads h0..) in the K or V cache; the next positions of its block
@@ -520,23 +544,23 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     for (int64_t j = 0; j < nkv; ++j)
       for (int c = 0; c < CH; ++c) {
         _tile_loadd(1, kb + j * D + 32 * c, slot_stride * 2);
-        _tile_loadd(2, qt.data() + (j * CH + c) * TILE, 64);
+        _tile_loadd(2, qt + (j * CH + c) * TILE, 64);
         _tile_dpbf16ps(0, 1, 2);
       }
-    _tile_stored(0, craw.data() + g * 256, 64);
+    _tile_stored(0, craw + g * 256, 64);
   }
   // rows per head, scaled: scores [16 heads][width]
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < groups16; ++g) {
     __m512 rows[16], cols[16];
-    for (int r = 0; r < 16; ++r) rows[r] = _mm512_loadu_ps(craw.data() + g * 256 + 16 * r);
+    for (int r = 0; r < 16; ++r) rows[r] = _mm512_loadu_ps(craw + g * 256 + 16 * r);
     qs_amx::transpose16(rows, cols);
     for (int64_t h = 0; h < heads; ++h)
-      _mm512_storeu_ps(scores.data() + h * width + 16 * g, _mm512_mul_ps(cols[h], vscale));
+      _mm512_storeu_ps(scores + h * width + 16 * g, _mm512_mul_ps(cols[h], vscale));
   }
   __m512 shift[16], total[16];
   for (int64_t h = 0; h < heads; ++h) {
-    shift[h] = _mm512_set1_ps(max16(scores.data() + h * width, len));
+    shift[h] = _mm512_set1_ps(max16(scores + h * width, len));
     total[h] = _mm512_setzero_ps();
   }
   // The weighted sum of V, 32 positions at a time: their P tiles (one a KV head) and V tiles
@@ -547,13 +571,13 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     // P: weights exp(s - max), rows of the KV head's query heads (0 past the context)
     const __mmask16 live_lo = tail_mask(len - t0), live_hi = tail_mask(len - t0 - 16);
     for (int64_t h = 0; h < heads; ++h) {
-      const float* sh = scores.data() + h * width + t0;
+      const float* sh = scores + h * width + t0;
       const __m512 lo = _mm512_maskz_mov_ps(
           live_lo, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live_lo, sh), shift[h])));
       const __m512 hi = _mm512_maskz_mov_ps(
           live_hi, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live_hi, sh + 16), shift[h])));
       total[h] = _mm512_add_ps(total[h], _mm512_add_ps(lo, hi));
-      _mm512_storeu_si512(weights.data() + (h / group) * TILE + 32 * h,
+      _mm512_storeu_si512(weights + (h / group) * TILE + 32 * h,
                           (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
     // V: rows of positions 2r and 2r+1 interleaved (zeros past the context). The 32 positions
@@ -579,7 +603,7 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
         for (int c = 0; c < CH; ++c) {
           const __m512i x = a ? _mm512_loadu_si512(a + j * D + 32 * c) : _mm512_setzero_si512();
           const __m512i y = b ? _mm512_loadu_si512(b + j * D + 32 * c) : _mm512_setzero_si512();
-          uint16_t* tile = vt.data() + (j * DT + 2 * c) * TILE + 32 * r;
+          uint16_t* tile = vt + (j * DT + 2 * c) * TILE + 32 * r;
           _mm512_storeu_si512(tile, _mm512_unpacklo_epi16(x, y));
           _mm512_storeu_si512(tile + TILE, _mm512_unpackhi_epi16(x, y));
         }
@@ -598,8 +622,8 @@ void decode_range(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
         _tile_loadd(7, acc + 16 * dt + 48, D * 4);
       }
       for (int64_t j = 0; j < nkv; ++j) {
-        const uint16_t* vb = vt.data() + (j * DT + dt) * TILE;
-        _tile_loadd(0, weights.data() + j * TILE, 64);
+        const uint16_t* vb = vt + (j * DT + dt) * TILE;
+        _tile_loadd(0, weights + j * TILE, 64);
         _tile_loadd(1, vb, 64);
         _tile_dpbf16ps(4, 0, 1);
         _tile_loadd(2, vb + TILE, 64);
