@@ -4,8 +4,8 @@ scaled as ``int32_epilogue`` scales them, bit for bit, with and without the int3
 per-token scale and a layer's float bias; any rows of x (6-row blocks, 192-row tasks, their
 tails), any N (64-column panels, the last one partial), any K (a last partial quad); extreme
 values; strided x; the bf16 rounding of builds without AVX512-BF16; the refusals; the packed
-weights' store; and the routes: ``Int8Matmul`` above the skinny rows, the platform only on VNNI
-CPUs without AMX-INT8."""
+weights' store; and the routes: ``Int8Matmul`` at every row count (views to the skinny GEMV),
+the platform only on VNNI CPUs without AMX-INT8."""
 
 from __future__ import annotations
 
@@ -125,17 +125,18 @@ def test_the_store_packs_once_leaves_views_and_repacks_a_written_weight():
 
 
 @needs_kernel
-def test_int8_matmul_sends_rows_above_the_skinny_ones_to_the_kernel(monkeypatch):
-    """With the platform's packed int8 GEMM on: 1-2 rows the skinny GEMV, more the packed
-    kernel with its scaling and the layer's bias (the platform's int8 GEMM is not called)."""
+def test_int8_matmul_sends_every_row_count_to_the_kernel_and_views_to_the_gemv(monkeypatch):
+    """With the platform's packed int8 GEMM on: any rows the packed kernel with its scaling and
+    the layer's bias (the platform's int8 GEMM is not called); a weight it does not pack (one
+    MoE expert's view) at 1-2 rows the skinny GEMV, as before."""
     monkeypatch.setattr(CpuPlatform, "packed_int8_gemm", lambda self: True)
     monkeypatch.setattr(CpuPlatform, "amx_int8_max_rows", 0)
     platform = CpuPlatform()
     monkeypatch.setattr(platform, "int8_scaled_mm", lambda *a: pytest.fail("platform GEMM"))
     kernel_rows = []
     real = Pigemm.scaled
-    monkeypatch.setattr(Pigemm, "scaled",
-                        lambda self, a, *rest: kernel_rows.append(a.shape[0]) or real(self, a, *rest))
+    monkeypatch.setattr(Pigemm, "scaled", lambda self, a, *rest: kernel_rows.append(a.shape[0])
+                        or real(self, a, *rest))
     matmul = Int8Matmul(platform)
     w = torch.randint(-128, 128, (64, 128), dtype=torch.int8)
     scale, bias = torch.rand(64), torch.randn(64).bfloat16()
@@ -145,8 +146,13 @@ def test_int8_matmul_sends_rows_above_the_skinny_ones_to_the_kernel(monkeypatch)
         got = matmul(x, w, scale, token, None, torch.bfloat16, bias)
         want = int32_epilogue(_sums(x, w), scale, token, None, torch.bfloat16) + bias
         assert torch.equal(got, want), rows
-    skinny = platform.int8_skinny_max_rows()
-    assert kernel_rows == [r for r in (1, 3, 64, 300) if r > skinny]
+    assert kernel_rows == [1, 3, 64, 300]
+    experts = torch.randint(-128, 128, (2, 64, 128), dtype=torch.int8)
+    x = torch.randint(-128, 128, (1, 128), dtype=torch.int8)
+    got = matmul(x, experts[1], scale, None, None, torch.float32)
+    assert torch.equal(got, int32_epilogue(_sums(x, experts[1]), scale, None, None,
+                                           torch.float32))
+    assert kernel_rows == [1, 3, 64, 300]  # the view went to the GEMV
 
 
 @pytest.mark.parametrize("flags,switch,native", [

@@ -88,8 +88,9 @@ class Int8Matmul:
     """The int8 GEMM of one platform, with the dequantizing fallback, and the per-token
     quantization of its activations. Up to the platform's ``int8_skinny_max_rows`` rows it runs
     the native kernel (``native/csrc/gemv.cpp``: exact int32 sums, read from the [N, K] int8
-    weight as stored) where that builds; above them the AMX-INT8 kernel (its window) or the
-    packed VNNI one (``Platform.packed_int8_gemm``), with the scaling in their epilogues."""
+    weight as stored) where that builds; above them the AMX-INT8 kernel (its window). Where
+    the platform has the packed VNNI kernel (``Platform.packed_int8_gemm``) it takes every row
+    count, the skinny kernel only what it leaves (views). Both scale in their epilogues."""
 
     def __init__(self, platform: Platform | None, quantizer: RowQuantizer | None = None) -> None:
         self.platform = platform
@@ -108,8 +109,8 @@ class Int8Matmul:
             from qwenserve.native.gemm import igemm
 
             self.amx = igemm()
-        # the packed VNNI kernel (scaling and bias in its epilogue) above the skinny rows, on
-        # CPUs without AMX-INT8, where it builds
+        # the packed VNNI kernel (scaling and bias in its epilogue) on CPUs without AMX-INT8,
+        # where it builds
         self.packed = None
         if platform is not None and platform.packed_int8_gemm():
             from qwenserve.native.gemm import pigemm
@@ -167,6 +168,12 @@ class Int8Matmul:
                  out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
         """a_q [M, K] int8, w_q [N, K] int8, scale [N], token_scale [M, 1] -> [M, N], plus
         ``bias`` [N] (a layer's float bias, added to the result in out_dtype) if given."""
+        # the packed VNNI kernel first, at any rows: 1.13x the skinny GEMV at one row and 1.27x
+        # at two over a 24-layer stack of W8A8 weights (Zen 5 EPYC); the skinny GEMV keeps what
+        # it does not take (views: one MoE expert's slice of the stacked weights)
+        if self.packed is not None and (out := self.packed.scaled(
+                a_q, w_q, scale, token_scale, int_bias, out_dtype, bias)) is not None:
+            return out
         out = None
         if self._skinny_takes(a_q, w_q):
             from qwenserve.platforms.base import int32_epilogue
