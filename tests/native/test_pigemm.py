@@ -81,6 +81,18 @@ def test_strided_rows_of_x_are_read_in_place():
 
 
 @needs_kernel
+def test_rows_that_share_memory_are_read_as_rows():
+    """An expanded row (row stride 0) is M equal rows, not M rows read past the first."""
+    torch.manual_seed(2)
+    row = torch.randint(-128, 128, (1, 96), dtype=torch.int8)
+    x, w = row.expand(5, 96), torch.randint(-128, 128, (64, 96), dtype=torch.int8)
+    scale = torch.rand(64)
+    want = int32_epilogue(_sums(x.contiguous(), w), scale, None, None, torch.float32)
+    assert torch.equal(KERNEL.scaled(x, KERNEL.pack(w), 64, scale, None, None, torch.float32),
+                       want)
+
+
+@needs_kernel
 def test_a_build_without_avx512_bf16_rounds_bf16_as_torch():
     """VNNI CPUs before Zen 4 / Cooper Lake round the bf16 output with integer steps instead of
     vcvtneps2bf16: the same bits (built here with AVX512-BF16 switched off)."""

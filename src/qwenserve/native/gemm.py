@@ -442,19 +442,21 @@ class Pigemm:
     def scaled(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
                token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
                out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        """a_q [M, K] int8 (rows any stride apart), ``pack``'s copy of an int8 [n, K] weight,
-        scale [n] float32, token_scale [M, 1] float32, int_bias [n] int32, bias [n] in out_dtype
-        -> [M, n] in out_dtype; None for what it does not take (other dtypes, K of 2^16 or more)."""
+        """a_q [M, K] int8 (rows read in place where their layout allows), ``pack``'s copy of
+        an int8 [n, K] weight, scale [n] float32, token_scale [M, 1] float32, int_bias [n]
+        int32, bias [n] in out_dtype -> [M, n] in out_dtype; None for what it does not take
+        (other dtypes, K of 2^16 or more)."""
         m, k = a_q.shape if a_q.dim() == 2 else (0, 0)
-        if (a_q.dim() != 2 or a_q.dtype != torch.int8 or a_q.stride(1) != 1 or m == 0
-                or k >= 1 << 16 or packed.numel() != self.packed_size(n, k)):
+        if (a_q.dim() != 2 or a_q.dtype != torch.int8 or m == 0 or k >= 1 << 16
+                or packed.numel() != self.packed_size(n, k)):
             return None
         epilogue = _w8a8_epilogue(m, n, scale, token_scale, int_bias, bias, out_dtype)
         if epilogue is None:
             return None
+        a_q = _rows(a_q, k)
         s, ts, ib, b = _pointers(epilogue)
         out = torch.empty(m, n, dtype=out_dtype)
-        status = self._fn(out.data_ptr(), a_q.data_ptr(), max(a_q.stride(0), k),
+        status = self._fn(out.data_ptr(), a_q.data_ptr(), a_q.stride(0),
                           packed.data_ptr(), s, ts, ib, b, int(out_dtype == torch.bfloat16),
                           m, n, k)
         if status:
