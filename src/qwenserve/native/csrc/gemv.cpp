@@ -48,6 +48,16 @@ inline void block_f32(float* y, const float* x, const float* w, const float* bia
   float acc[M][ROWS] = {};
   const float* wr[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) wr[r] = w + (n0 + std::min(r, rows - 1)) * K;
+  if constexpr (M == 1) {  // one row of x: the weight rows one after another, as
+                           // dot_row_bf16 (1.03x here, a 24-layer stack + LM head, Zen 5)
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const float* wrow = wr[r];
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t k = 0; k < K; ++k) a += x[k] * wrow[k];
+      acc[0][r] = a;
+    }
+  } else
   for (int m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
