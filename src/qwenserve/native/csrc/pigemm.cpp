@@ -16,7 +16,7 @@
 // [N / 64][K / 4][64][4] (the last panel and K's last quad padded with zeros), followed by the
 // 64 int32 corrections of each panel; each micro-kernel step loads a quad's 4 panel vectors and
 // broadcasts the quad of each of 6 rows of x: 24 accumulators, pbgemm.cpp's bf16 structure
-// (its tasks, its prefetch of a thread's next panel into L2) at twice the products a step.
+// (its tasks, its prefetch of a thread's next panel) at twice the products a step.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -98,7 +98,8 @@ inline void store_row(int32_t* dst, const Sums& s) {
 
 // R rows of x + 128 (xu: unsigned bytes, rows ldu apart, padded to whole quads) against a
 // panel: sums over K, then the scaling into y's columns n0 .. n0 + cols - 1 of rows m .. m+R-1.
-// ahead / ahead_lines: the next panel's lines fetched into L2 a step. The rows' sums are named
+// ahead / ahead_lines: the next panel's lines fetched a step (into L1: 1.02x over the L2
+// hint at one row of x, where the panel is read once). The rows' sums are named
 // variables, not an array: GCC 12 kept a [6][4] array of them on the stack through the loop
 // (loads and stores around every vpdpbusd; 0.8 of the kernel's speed).
 template <int R>
@@ -109,7 +110,7 @@ void micro(const uint8_t* xu, int64_t ldu, const int8_t* panel, int64_t quads,
   for (int64_t q = 0; q < quads; ++q) {
     for (int64_t j = 0; j < ahead_lines; ++j)  // prefetches never fault past the end
       _mm_prefetch(reinterpret_cast<const char*>(ahead + (q * ahead_lines + j) * 64),
-                   _MM_HINT_T1);
+                   _MM_HINT_T0);
     const int8_t* wk = panel + q * 4 * PANEL;
     const Weights w{_mm512_loadu_si512(wk), _mm512_loadu_si512(wk + 64),
                     _mm512_loadu_si512(wk + 128), _mm512_loadu_si512(wk + 192)};
@@ -159,23 +160,29 @@ using Micro = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const in
                        const Columns&, const Output&, int64_t, int64_t, int64_t);
 constexpr Micro kMicro[RB] = {micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>};
 
-// Panel p's scaling columns: its corrections (less the int32 bias), scales and float bias.
+// Panel p's scaling columns: its corrections (less the int32 bias), scales and float bias, 16
+// at a time with masked loads (0 past N): a scalar loop here was a third of a one-row task's
+// work (a 64-column panel of K = 896 is 224 quad steps).
 void panel_columns(Columns& c, const int32_t* corrections, const float* scale,
                    const int32_t* bias, const void* out_bias, bool out_bf16, int64_t p,
                    int64_t N) {
-  for (int64_t j = 0; j < PANEL; ++j) {
+  for (int64_t j = 0; j < PANEL; j += 16) {
     const int64_t n = p * PANEL + j;
-    const bool in = n < N;
-    c.correction[j] = corrections[p * PANEL + j] - (in && bias ? bias[n] : 0);
-    c.scale[j] = in ? scale[n] : 0.f;
-    float ob = 0.f;
-    if (in && out_bias && out_bf16) {
-      const uint32_t bits = uint32_t{static_cast<const uint16_t*>(out_bias)[n]} << 16;
-      std::memcpy(&ob, &bits, 4);
-    } else if (in && out_bias) {
-      ob = static_cast<const float*>(out_bias)[n];
+    const __mmask16 in = n + 16 <= N ? __mmask16(0xffff)
+                         : n < N     ? __mmask16((1u << (N - n)) - 1)
+                                     : __mmask16(0);
+    __m512i corr = _mm512_loadu_si512(corrections + n);  // the pack wrote 64 a panel
+    if (bias) corr = _mm512_sub_epi32(corr, _mm512_maskz_loadu_epi32(in, bias + n));
+    _mm512_store_si512(c.correction + j, corr);
+    _mm512_store_ps(c.scale + j, _mm512_maskz_loadu_ps(in, scale + n));
+    __m512 ob = _mm512_setzero_ps();
+    if (out_bias && out_bf16) {
+      const __m256i bits = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(out_bias) + n);
+      ob = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    } else if (out_bias) {
+      ob = _mm512_maskz_loadu_ps(in, static_cast<const float*>(out_bias) + n);
     }
-    c.out_bias[j] = ob;
+    _mm512_store_ps(c.out_bias + j, ob);
   }
 }
 #endif
