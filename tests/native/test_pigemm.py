@@ -3,7 +3,8 @@ sums (x entering vpdpbusd as x + 128, the pack's per-column correction taking th
 scaled as ``int32_epilogue`` scales them, bit for bit, with and without the int32 bias, the
 per-token scale and a layer's float bias; any rows of x (6-row blocks, 192-row tasks, their
 tails), any N (64-column panels, the last one partial), any K (a last partial quad); extreme
-values; strided x; the bf16 rounding of builds without AVX512-BF16; the refusals; the packed
+values; strided x; the bf16 rounding of builds without AVX512-BF16; the MLP's gate_up GEMM with
+SiLU-and-mul in its epilogue (the unfused bits); the refusals; the packed
 weights' store; and the routes: ``Int8Matmul`` at every row count (views to the skinny GEMV),
 the platform only on VNNI CPUs without AMX-INT8."""
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from qwenserve.native.build import CSRC, DEFAULT_CFLAGS, load_library
+from qwenserve.native.elementwise import elementwise
 from qwenserve.native.gemm import Pigemm, pigemm
 from qwenserve.platforms import cpu as cpu_platform
 from qwenserve.platforms.base import int32_epilogue
@@ -165,6 +167,48 @@ def test_int8_matmul_sends_every_row_count_to_the_kernel_and_views_to_the_gemv(m
     assert torch.equal(got, int32_epilogue(_sums(x, experts[1]), scale, None, None,
                                            torch.float32))
     assert kernel_rows == [1, 3, 64, 300]  # the view went to the GEMV
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "inter", "k"), [(1, 64, 64), (7, 128, 37), (64, 4864, 896),
+                                                (200, 192, 100)])
+def test_silu_mul_is_the_gemm_then_silu_and_mul_bit_for_bit(m, inter, k, out_dtype, threads):
+    """The MLP's gate_up GEMM with SiLU-and-mul in the epilogue: elementwise's SiLU-and-mul of
+    the scaled GEMM's output exactly (with either bf16 SiLU route), and the down input it
+    quantizes to is the fused W8A8 middle's (silu_mul_quantize on the float32 sums)."""
+    quantizer = elementwise()
+    if quantizer is None:
+        pytest.skip("no native elementwise kernels")
+    torch.manual_seed(m + inter + k)
+    x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-128, 128, (2 * inter, k), dtype=torch.int8)
+    scale, token = torch.rand(2 * inter) * 1e-3 + 1e-5, torch.rand(m, 1) * 0.1 + 0.01
+    packed = KERNEL.pack(w)
+    routes = (False, True) if out_dtype == torch.bfloat16 else (None,)
+    for table in routes:
+        previous = quantizer.use_silu_table(table) if table is not None else None
+        try:
+            fused = KERNEL.silu_mul(x, packed, 2 * inter, scale, token, out_dtype)
+            gemm = KERNEL.scaled(x, packed, 2 * inter, scale, token, None, out_dtype)
+            assert fused.dtype == out_dtype and torch.equal(fused, quantizer.silu_and_mul(gemm))
+            sums = KERNEL.scaled(x, packed, 2 * inter, scale, None, None, torch.float32)
+            want_q, want_scale = quantizer.silu_mul_quantize(sums, token, out_dtype)
+            got_q, got_scale = quantizer.quantize_per_token(fused)
+            assert torch.equal(got_q, want_q) and torch.equal(got_scale, want_scale)
+        finally:
+            if previous is not None:
+                quantizer.use_silu_table(previous)
+
+
+@needs_kernel
+def test_silu_mul_leaves_what_it_does_not_take():
+    x, w = torch.zeros(3, 64, dtype=torch.int8), torch.zeros(2 * 96, 64, dtype=torch.int8)
+    assert KERNEL.silu_mul(x, KERNEL.pack(w), 2 * 96, torch.ones(192), torch.ones(3, 1),
+                           torch.float32) is None  # I = 96: a panel would hold gate and up
+    w = torch.zeros(128, 64, dtype=torch.int8)
+    assert KERNEL.silu_mul(x, KERNEL.pack(w), 128, torch.ones(128), torch.ones(3, 1),
+                           torch.float16) is None
 
 
 @pytest.mark.parametrize("flags,switch,native", [

@@ -424,6 +424,9 @@ class Pigemm:
         self._fn = lib.pigemm_s8_scaled
         self._fn.argtypes = [_P, _P, _I] + [_P] * 5 + [ctypes.c_int, _I, _I, _I]
         self._fn.restype = ctypes.c_int
+        self._silu_mul = lib.pigemm_s8_silu_mul
+        self._silu_mul.argtypes = [_P, _P, _I] + [_P] * 4 + [ctypes.c_int, _I, _I, _I]
+        self._silu_mul.restype = ctypes.c_int
 
     @staticmethod
     def packed_size(n: int, k: int) -> int:
@@ -463,6 +466,28 @@ class Pigemm:
             raise ValueError(f"pigemm_s8_scaled: status {status} for x {tuple(a_q.shape)}, "
                              f"n {n}")
         return out
+
+    def silu_mul(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
+                 token_scale: torch.Tensor | None, out_dtype: torch.dtype
+                 ) -> torch.Tensor | None:
+        """A W8A8 MLP's ``silu_and_mul`` of its gate_up GEMM in one kernel: a_q [M, K] int8,
+        ``pack``'s copy of the merged [n = 2I, K] weight (gate rows, then up rows), scale [n],
+        token_scale [M, 1] -> [M, I] in out_dtype, bit for bit ``scaled`` followed by
+        elementwise's SiLU-and-mul. None for what it does not take (I not a multiple of 64,
+        bf16 in a build without AVX512-BF16, other dtypes or shapes)."""
+        m, k = a_q.shape if a_q.dim() == 2 else (0, 0)
+        if (a_q.dim() != 2 or a_q.dtype != torch.int8 or m == 0 or k >= 1 << 16 or n % 128
+                or packed.numel() != self.packed_size(n, k)):
+            return None
+        epilogue = _w8a8_epilogue(m, n, scale, token_scale, None, None, out_dtype)
+        if epilogue is None:
+            return None
+        a_q = _rows(a_q, k)
+        s, ts, _, _ = _pointers(epilogue)
+        out = torch.empty(m, n // 2, dtype=out_dtype)
+        status = self._silu_mul(out.data_ptr(), a_q.data_ptr(), a_q.stride(0), packed.data_ptr(),
+                                s, ts, None, int(out_dtype == torch.bfloat16), m, n // 2, k)
+        return None if status else out
 
 
 @functools.cache

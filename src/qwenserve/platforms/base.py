@@ -103,9 +103,9 @@ class Platform(ABC):
         return False
 
     def packed_int8_gemm(self) -> bool:
-        """Whether W8A8 GEMMs (of more rows than the skinny int8 GEMM takes) go to the native
-        packed int8 GEMM (native/csrc/pigemm.cpp, on its own once-packed copy of each weight)
-        where it builds."""
+        """Whether W8A8 GEMMs of any rows go to the native packed int8 GEMM
+        (native/csrc/pigemm.cpp, on its own once-packed copy of each weight) where it builds;
+        the skinny int8 GEMM then keeps only the weights it does not pack (views)."""
         return False
 
     def int8_scaled_mm(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,

@@ -184,6 +184,10 @@ class ScaledInt8Kernel(Protocol):
                out_dtype: torch.dtype, bias: torch.Tensor | None = None
                ) -> torch.Tensor | None: ...
 
+    def silu_mul(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
+                 token_scale: torch.Tensor | None, out_dtype: torch.dtype
+                 ) -> torch.Tensor | None: ...
+
 
 class PackedScaledInt8:
     """A native W8A8 GEMM (``ScaledInt8Kernel``) on a once-packed copy of each int8 weight:
@@ -207,6 +211,17 @@ class PackedScaledInt8:
             return None
         return self.kernel.scaled(a_q, self.packed(w_q), w_q.shape[0], scale, token_scale,
                                   int_bias, out_dtype, bias)
+
+    def silu_mul(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                 token_scale: torch.Tensor | None, out_dtype: torch.dtype
+                 ) -> torch.Tensor | None:
+        """A W8A8 MLP's gate_up GEMM (w_q [2I, K]: gate rows, then up rows) and its
+        SiLU-and-mul in one kernel -> [M, I] in out_dtype: ``scaled`` and elementwise's
+        SiLU-and-mul bit for bit; None for what the kernel does not take."""
+        if w_q.dtype != torch.int8 or not _is_packable(w_q) or a_q.shape[-1] != w_q.shape[1]:
+            return None
+        return self.kernel.silu_mul(a_q, self.packed(w_q), w_q.shape[0], scale, token_scale,
+                                    out_dtype)
 
 
 def _self_test(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], what: str) -> bool:

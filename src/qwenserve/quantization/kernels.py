@@ -153,6 +153,15 @@ class Int8Matmul:
         skinny_may_take = self.skinny is not None and rows <= self.skinny_rows
         return self._quantizer_scales(rows) and not skinny_may_take
 
+    def gate_up_silu(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                     token_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """``silu_and_mul`` of an MLP's W8A8 gate_up GEMM (w_q [2I, K]: gate rows, then up
+        rows) in the packed VNNI kernel's epilogue -> [M, I] in out_dtype, bit for bit the
+        GEMM and the SiLU-and-mul kernel in turn; None where it does not take the call."""
+        if self.packed is None:
+            return None
+        return self.packed.silu_mul(a_q, w_q, scale, token_scale, out_dtype)
+
     def accumulate(self, a_q: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                    int_bias: torch.Tensor | None) -> torch.Tensor | None:
         """``(a_q @ w_q.T + int_bias) * scale`` in float32 through the platform's GEMM (the

@@ -93,8 +93,9 @@ def int8_mlp(gate_up: MergedColumnParallelLinear, down: RowParallelLinear,
     """``down(silu_and_mul(gate_up(x)))`` of a W8A8 (dynamic) MLP with its middle fused: the
     gate_up GEMM's float32 result goes through its per-token scale, SiLU-and-mul and the down
     projection's per-token quantization in one pass (``RowQuantizer.silu_mul_quantize``), where
-    the plain path writes and reads two tensors and makes three calls. The same integers and
-    scales reach the down GEMM. None where this does not apply (other methods, a gate_up bias,
+    the plain path writes and reads two tensors and makes three calls; with the packed VNNI
+    kernel the SiLU-and-mul is in the GEMM's epilogue (``Int8Matmul.gate_up_silu``) and one
+    quantizing pass follows. The same integers and scales reach the down GEMM. None where this does not apply (other methods, a gate_up bias,
     rows that the plain path computes another way, no native kernel): the caller runs the
     plain path."""
     up_method, down_method = gate_up.quant_method, down.quant_method
@@ -102,11 +103,20 @@ def int8_mlp(gate_up: MergedColumnParallelLinear, down: RowParallelLinear,
             and gate_up.bias is None and x.dim() == 2):
         return None
     matmul = up_method.matmul
-    if not (matmul.scales_apart(x.shape[0]) and matmul.quantizer.supports(x)):
+    fused = matmul.packed is not None and matmul.quantizer is not None
+    if not (fused or matmul.scales_apart(x.shape[0])) or not matmul.quantizer.supports(x):
         return None
     x_q, token_scale = matmul.quantize(x)
-    acc = matmul.accumulate(x_q, gate_up.weight, gate_up.weight_scale.view(-1), None)
-    rows = None if acc is None else matmul.quantizer.silu_mul_quantize(acc, token_scale, x.dtype)
+    # the packed VNNI kernel: the GEMM and its SiLU-and-mul in one (no [rows, 2I] float32
+    # intermediate), then the down input's quantization, to the same integers
+    mid = matmul.gate_up_silu(x_q, gate_up.weight, gate_up.weight_scale.view(-1), token_scale,
+                              x.dtype) if fused else None
+    if mid is not None:
+        rows = matmul.quantize(mid)
+    else:
+        acc = matmul.accumulate(x_q, gate_up.weight, gate_up.weight_scale.view(-1), None)
+        rows = (None if acc is None
+                else matmul.quantizer.silu_mul_quantize(acc, token_scale, x.dtype))
     if rows is None:
         return None
     y_q, y_scale = rows

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -40,6 +41,11 @@ int64_t panel_bytes(int64_t K) { return quads_of(K) * 4 * PANEL; }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define QS_PIGEMM 1
 
+// How a micro-kernel's scaled sums leave: into y (kStore), as the gate of an MLP's gate_up
+// projection into a small fp32 buffer [R][64] (kGate), or as silu(gate) * up into y with that
+// buffer (kSiluMul: the up panel's call).
+enum Out { kStore, kGate, kSiluMul };
+
 // A task's view of the epilogue: 64 columns' scaling (0 past N), the token scales of its rows.
 struct Columns {
   alignas(64) int32_t correction[PANEL];  // 128 * sum_k w[n, k] - bias[n]
@@ -57,7 +63,7 @@ struct Output {
 
 // v rounded to bf16 (nearest even, NaN kept quiet), as 16 bf16 values: one instruction with
 // AVX512-BF16, integer steps without it (VNNI CPUs before Zen 4 / Cooper Lake).
-inline __m256i to_bf16(__m512 v) {
+inline __m256i bf16_lanes(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
 #else
@@ -68,6 +74,20 @@ inline __m256i to_bf16(__m512 v) {
   r = _mm512_mask_or_epi32(r, nan, bits, _mm512_set1_epi32(0x00400000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 #endif
+}
+
+// v as a bf16 tensor holds it, widened back (exact).
+inline __m512 round_bf16v(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_lanes(v)), 16));
+}
+
+// silu(g) of bf16 values g (as floats), rounded to bf16: elementwise.cpp's bf16 SiLU-and-mul
+// (looked up in vec_math.h's table where it looks up, else computed: the same bits).
+inline __m512 silu_rounded(__m512 g) {
+#if defined(__AVX512BF16__)
+  if (silu_table_choice()) return silu_bf16(silu_bf16_table(), g);
+#endif
+  return round_bf16v(silu16(g));
 }
 
 // A quad step's 4 weight vectors (64 columns x 4 k), and one row's 4 accumulators of them.
@@ -102,10 +122,10 @@ inline void store_row(int32_t* dst, const Sums& s) {
 // hint at one row of x, where the panel is read once). The rows' sums are named
 // variables, not an array: GCC 12 kept a [6][4] array of them on the stack through the loop
 // (loads and stores around every vpdpbusd; 0.8 of the kernel's speed).
-template <int R>
+template <int R, Out OUT>
 void micro(const uint8_t* xu, int64_t ldu, const int8_t* panel, int64_t quads,
            const int8_t* ahead, int64_t ahead_lines, const Columns& c, const Output& out,
-           int64_t m, int64_t n0, int64_t cols) {
+           int64_t m, int64_t n0, int64_t cols, float* gate) {
   Sums s0, s1, s2, s3, s4, s5;
   for (int64_t q = 0; q < quads; ++q) {
     for (int64_t j = 0; j < ahead_lines; ++j)  // prefetches never fault past the end
@@ -138,14 +158,23 @@ void micro(const uint8_t* xu, int64_t ldu, const int8_t* panel, int64_t quads,
                                            _mm512_load_si512(c.correction + 16 * n));
       __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_load_ps(c.scale + 16 * n));
       if (out.token_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(ts));
+      if constexpr (OUT == kGate) {  // the gate as its y would hold it, kept for the up panel
+        _mm512_store_ps(gate + i * PANEL + 16 * n, out.out_bf16 ? round_bf16v(v) : v);
+        continue;
+      }
+      if constexpr (OUT == kSiluMul) {  // v: up; silu(gate) * up as elementwise.cpp rounds it
+        const __m512 g = _mm512_load_ps(gate + i * PANEL + 16 * n);
+        v = _mm512_mul_ps(out.out_bf16 ? silu_rounded(g) : silu16(g),
+                          out.out_bf16 ? round_bf16v(v) : v);
+      }
       const __m512 ob = _mm512_load_ps(c.out_bias + 16 * n);
       const int64_t at = (m + i) * out.N + n0 + 16 * n;
       if (out.out_bf16) {
         // y rounds first, then y + bias rounds again, as in PyTorch (exact widening shifts)
-        __m256i y16 = to_bf16(v);
+        __m256i y16 = bf16_lanes(v);
         if (out.out_bias) {
           const __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(y16), 16));
-          y16 = to_bf16(_mm512_add_ps(yf, ob));
+          y16 = bf16_lanes(_mm512_add_ps(yf, ob));
         }
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.y) + at, mask, y16);
       } else {
@@ -157,8 +186,10 @@ void micro(const uint8_t* xu, int64_t ldu, const int8_t* panel, int64_t quads,
 }
 
 using Micro = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int8_t*, int64_t,
-                       const Columns&, const Output&, int64_t, int64_t, int64_t);
-constexpr Micro kMicro[RB] = {micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>};
+                       const Columns&, const Output&, int64_t, int64_t, int64_t, float*);
+template <Out OUT>
+constexpr Micro kMicro[RB] = {micro<1, OUT>, micro<2, OUT>, micro<3, OUT>,
+                              micro<4, OUT>, micro<5, OUT>, micro<6, OUT>};
 
 // Panel p's scaling columns: its corrections (less the int32 bias), scales and float bias, 16
 // at a time with masked loads (0 past N): a scalar loop here was a third of a one-row task's
@@ -183,6 +214,60 @@ void panel_columns(Columns& c, const int32_t* corrections, const float* scale,
       ob = _mm512_maskz_loadu_ps(in, static_cast<const float*>(out_bias) + n);
     }
     _mm512_store_ps(c.out_bias + j, ob);
+  }
+}
+
+// y [M, N] from x and the packed weight (kStore), or y [M, N] = silu(gate) * up of a merged
+// w [2N, K], N % 64 == 0 (kSiluMul: gate panel p, then up panel N / 64 + p, a row block at a
+// time). Tasks are (panel, chunk of rows), panel-major: a thread's consecutive tasks reuse its
+// panel from L2 and each panel is read from memory about once whatever the rows. The first row
+// block reads the panel from memory, so the blocks fetch the thread's next panel meanwhile:
+// its lines spread over the first blocks, up to 4 a step (1, 2 or 4 by the blocks a task has).
+template <Out OUT>
+void run(void* y, const int8_t* x, int64_t ldx, const int8_t* packed, const float* scale,
+         const float* token_scale, const int32_t* bias, const void* out_bias, bool out_bf16,
+         int64_t M, int64_t N, int64_t K) {
+  constexpr bool fused = OUT == kSiluMul;
+  const int64_t panels = panels_of(N), chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t all = fused ? 2 * panels : panels;  // panels in the packed copy
+  const int64_t size = panel_bytes(K), lines = size / 64, quads = quads_of(K);
+  const int32_t* corrections = reinterpret_cast<const int32_t*>(packed + all * size);
+  const Output out{y, N, token_scale, out_bf16, out_bias != nullptr};
+  // x + 128 as unsigned bytes (the top bit flipped), K padded to whole quads (w is 0 there)
+  static thread_local std::vector<uint8_t> flipped;
+  const int64_t ldu = 4 * quads;
+  flipped.resize(M * ldu);
+  uint8_t* xu = flipped.data();
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < ldu; ++k) xu[m * ldu + k] = k < K ? uint8_t(x[m * ldx + k]) ^ 0x80 : 0;
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < panels * chunks; ++task) {
+    const int64_t p = task / chunks, m0 = task % chunks * ROW_CHUNK;
+    const int64_t m1 = std::min(M, m0 + ROW_CHUNK), cols = std::min(PANEL, N - p * PANEL);
+    Columns c, cu;  // the panel's scaling columns; the up panel's (fused)
+    panel_columns(c, corrections, scale, bias, out_bias, out_bf16, p, fused ? 2 * N : N);
+    if (fused) panel_columns(cu, corrections, scale, bias, nullptr, out_bf16, panels + p, 2 * N);
+    const int8_t* panel = packed + p * size;
+    const int8_t* up = fused ? panel + panels * size : nullptr;
+    const bool more = p + 1 < panels;
+    const int64_t blocks = (m1 - m0 + RB - 1) / RB, per_step = (4 + blocks - 1) / blocks;
+    alignas(64) float gate[RB * PANEL];
+    for (int64_t m = m0, blk = 0; m < m1; m += RB, ++blk) {
+      const int64_t rows = std::min(RB, m1 - m), first_line = blk * per_step * quads;
+      const int64_t ahead = more && first_line < lines ? per_step : 0;
+      const int8_t* xm_next = more ? panel + size + first_line * 64 : nullptr;
+      if constexpr (fused) {
+        kMicro<kGate>[rows - 1](xu + m * ldu, ldu, panel, quads, xm_next, ahead, c, out, m,
+                                p * PANEL, cols, gate);
+        kMicro<kSiluMul>[rows - 1](xu + m * ldu, ldu, up, quads,
+                                   more ? up + size + first_line * 64 : nullptr, ahead, cu, out,
+                                   m, p * PANEL, cols, gate);
+      } else {
+        kMicro<kStore>[rows - 1](xu + m * ldu, ldu, panel, quads, xm_next, ahead, c, out, m,
+                                 p * PANEL, cols, gate);
+      }
+    }
   }
 }
 #endif
@@ -238,42 +323,37 @@ int pigemm_s8_scaled(void* y, const int8_t* x, int64_t ldx, const int8_t* packed
                      const void* out_bias, int out_bf16, int64_t M, int64_t N, int64_t K) {
 #if defined(QS_PIGEMM)
   if (M <= 0 || N <= 0 || K <= 0 || K >= (int64_t{1} << 16) || ldx < K) return 1;
-  const int64_t panels = panels_of(N), chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
-  const int64_t size = panel_bytes(K), lines = size / 64, quads = quads_of(K);
-  const int32_t* corrections = reinterpret_cast<const int32_t*>(packed + panels * size);
-  const Output out{y, N, token_scale, out_bf16 != 0, out_bias != nullptr};
-  // x + 128 as unsigned bytes (the top bit flipped), K padded to whole quads (w is 0 there)
-  static thread_local std::vector<uint8_t> flipped;
-  const int64_t ldu = 4 * quads;
-  flipped.resize(M * ldu);
-  uint8_t* xu = flipped.data();
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < ldu; ++k) xu[m * ldu + k] = k < K ? uint8_t(x[m * ldx + k]) ^ 0x80 : 0;
-  // Tasks are (panel, chunk of rows), panel-major: a thread's consecutive tasks reuse its panel
-  // from L2 and each panel is read from memory about once whatever the rows. The first row
-  // block reads the panel from memory, so the blocks fetch the thread's next panel meanwhile:
-  // its lines spread over the first blocks, up to 4 a step (1, 2 or 4 by the blocks a task has).
-#pragma omp parallel for schedule(static)
-  for (int64_t task = 0; task < panels * chunks; ++task) {
-    const int64_t p = task / chunks, m0 = task % chunks * ROW_CHUNK;
-    const int64_t m1 = std::min(M, m0 + ROW_CHUNK), cols = std::min(PANEL, N - p * PANEL);
-    Columns c;
-    panel_columns(c, corrections, scale, bias, out_bias, out_bf16 != 0, p, N);
-    const int8_t* panel = packed + p * size;
-    const int8_t* next = p + 1 < panels ? panel + size : nullptr;
-    const int64_t blocks = (m1 - m0 + RB - 1) / RB, per_step = (4 + blocks - 1) / blocks;
-    for (int64_t m = m0, blk = 0; m < m1; m += RB, ++blk) {
-      const int64_t rows = std::min(RB, m1 - m), first_line = blk * per_step * quads;
-      const int64_t ahead = next && first_line < lines ? per_step : 0;
-      kMicro[rows - 1](xu + m * ldu, ldu, panel, quads, next ? next + first_line * 64 : nullptr,
-                       ahead, c, out, m, p * PANEL, cols);
-    }
-  }
+  run<kStore>(y, x, ldx, packed, scale, token_scale, bias, out_bias, out_bf16 != 0, M, N, K);
   return 0;
 #else
   (void)y, (void)x, (void)ldx, (void)packed, (void)scale, (void)token_scale, (void)bias,
       (void)out_bias, (void)out_bf16, (void)M, (void)N, (void)K;
+  return 1;
+#endif
+}
+
+// A W8A8 MLP's gate_up projection with its SiLU-and-mul: the packed weight of the merged
+// w [2I, K] (I gate rows, then I up rows; I % 64 == 0, so no panel holds both), x, scale [2I],
+// token_scale [M], bias [2I] int32 or null as pigemm_s8_scaled's -> y [M, I] = silu(g) * u,
+// where g and u are what pigemm_s8_scaled would store (T: bf16 where out_bf16, else float32)
+// and the SiLU and the product round as elementwise.cpp's silu_and_mul does: bit for bit the
+// unfused path, without its [M, 2I] intermediate. 1: I % 64 != 0, other shapes not supported,
+// no AVX512-VNNI, or bf16 without AVX512-BF16 in this build (elementwise.cpp's bf16 SiLU there
+// is a scalar loop of its own).
+int pigemm_s8_silu_mul(void* y, const int8_t* x, int64_t ldx, const int8_t* packed,
+                       const float* scale, const float* token_scale, const int32_t* bias,
+                       int out_bf16, int64_t M, int64_t I, int64_t K) {
+#if defined(QS_PIGEMM)
+#if !defined(__AVX512BF16__)
+  if (out_bf16) return 1;
+#endif
+  if (M <= 0 || I <= 0 || I % PANEL != 0 || K <= 0 || K >= (int64_t{1} << 16) || ldx < K)
+    return 1;
+  run<kSiluMul>(y, x, ldx, packed, scale, token_scale, bias, nullptr, out_bf16 != 0, M, I, K);
+  return 0;
+#else
+  (void)y, (void)x, (void)ldx, (void)packed, (void)scale, (void)token_scale, (void)bias,
+      (void)out_bf16, (void)M, (void)I, (void)K;
   return 1;
 #endif
 }
