@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.greedy_head import check_infinite_and_nan_logits
+from helpers.greedy_head import check_infinite_and_nan_logits, check_lm_head_takes_it
 from qwenserve.distributed.parallel_group import ParallelGroup
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.embedding import ParallelLMHead
@@ -92,14 +92,7 @@ def test_the_route_takes_the_amx_gemm_rows_only():
 
 def test_the_lm_head_takes_it_where_its_logits_are_whole():
     backends = Backends.for_platform(CpuPlatform())
-    head = ParallelLMHead(320, 64, torch.bfloat16, float_linear=backends.float_linear,
-                          greedy_head=backends.greedy_head)
-    head.weight.data.copy_(torch.randn(320, 64) / 8)
-    hidden = torch.randn(12, 64).bfloat16()
-    got = head.greedy_tokens(hidden)
-    assert got is not None
-    assert torch.equal(got, head.compute_logits(hidden, None).argmax(-1))
-    assert head.greedy_tokens(hidden[:1]) is None  # one row: the skinny GEMM's logits
+    hidden = check_lm_head_takes_it(backends)
     assert ParallelLMHead(320, 64, torch.bfloat16).greedy_tokens(hidden) is None  # no kernel
     sharded = ParallelLMHead(320, 64, torch.bfloat16, tp=ParallelGroup(0, 2),
                              greedy_head=backends.greedy_head)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.greedy_head import check_infinite_and_nan_logits
+from helpers.greedy_head import check_infinite_and_nan_logits, check_lm_head_takes_it
 from qwenserve.layers.backends import Backends
-from qwenserve.layers.embedding import ParallelLMHead
 from qwenserve.layers.native_gemm import packed_greedy_head
 from qwenserve.native.gemm import pbgemm
 from qwenserve.platforms import cpu as cpu_platform
@@ -104,11 +103,4 @@ def without_amx(monkeypatch):
 def test_the_lm_head_takes_it_where_its_logits_are_whole(without_amx):
     backends = Backends.for_platform(CpuPlatform())
     assert backends.greedy_head is packed_greedy_head(2, True)
-    head = ParallelLMHead(320, 64, torch.bfloat16, float_linear=backends.float_linear,
-                          greedy_head=backends.greedy_head)
-    head.weight.data.copy_(torch.randn(320, 64) / 8)
-    hidden = torch.randn(12, 64).bfloat16()
-    got = head.greedy_tokens(hidden)
-    assert got is not None
-    assert torch.equal(got, head.compute_logits(hidden, None).argmax(-1))
-    assert head.greedy_tokens(hidden[:1]) is None  # one row: the skinny GEMM's logits
+    check_lm_head_takes_it(backends)
