@@ -449,22 +449,15 @@ class Pigemm:
         an int8 [n, K] weight, scale [n] float32, token_scale [M, 1] float32, int_bias [n]
         int32, bias [n] in out_dtype -> [M, n] in out_dtype; None for what it does not take
         (other dtypes, K of 2^16 or more)."""
-        m, k = a_q.shape if a_q.dim() == 2 else (0, 0)
-        if (a_q.dim() != 2 or a_q.dtype != torch.int8 or m == 0 or k >= 1 << 16
-                or packed.numel() != self.packed_size(n, k)):
+        operands = self._operands(a_q, packed, n, scale, token_scale, int_bias, bias, out_dtype)
+        if operands is None:
             return None
-        epilogue = _w8a8_epilogue(m, n, scale, token_scale, int_bias, bias, out_dtype)
-        if epilogue is None:
-            return None
-        a_q = _rows(a_q, k)
-        s, ts, ib, b = _pointers(epilogue)
-        out = torch.empty(m, n, dtype=out_dtype)
-        status = self._fn(out.data_ptr(), a_q.data_ptr(), a_q.stride(0),
-                          packed.data_ptr(), s, ts, ib, b, int(out_dtype == torch.bfloat16),
-                          m, n, k)
+        x, (s, ts, ib, b) = operands
+        (m, k), out = x.shape, torch.empty(x.shape[0], n, dtype=out_dtype)
+        status = self._fn(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), s, ts,
+                          ib, b, int(out_dtype == torch.bfloat16), m, n, k)
         if status:
-            raise ValueError(f"pigemm_s8_scaled: status {status} for x {tuple(a_q.shape)}, "
-                             f"n {n}")
+            raise ValueError(f"pigemm_s8_scaled: status {status} for x {tuple(x.shape)}, n {n}")
         return out
 
     def silu_mul(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
@@ -475,19 +468,30 @@ class Pigemm:
         token_scale [M, 1] -> [M, I] in out_dtype, bit for bit ``scaled`` followed by
         elementwise's SiLU-and-mul. None for what it does not take (I not a multiple of 64,
         bf16 in a build without AVX512-BF16, other dtypes or shapes)."""
-        m, k = a_q.shape if a_q.dim() == 2 else (0, 0)
-        if (a_q.dim() != 2 or a_q.dtype != torch.int8 or m == 0 or k >= 1 << 16 or n % 128
-                or packed.numel() != self.packed_size(n, k)):
+        operands = (self._operands(a_q, packed, n, scale, token_scale, None, None, out_dtype)
+                    if n % 128 == 0 else None)
+        if operands is None:
             return None
-        epilogue = _w8a8_epilogue(m, n, scale, token_scale, None, None, out_dtype)
-        if epilogue is None:
-            return None
-        a_q = _rows(a_q, k)
-        s, ts, _, _ = _pointers(epilogue)
-        out = torch.empty(m, n // 2, dtype=out_dtype)
-        status = self._silu_mul(out.data_ptr(), a_q.data_ptr(), a_q.stride(0), packed.data_ptr(),
-                                s, ts, None, int(out_dtype == torch.bfloat16), m, n // 2, k)
+        x, (s, ts, _, _) = operands
+        (m, k), out = x.shape, torch.empty(x.shape[0], n // 2, dtype=out_dtype)
+        status = self._silu_mul(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), s,
+                                ts, None, int(out_dtype == torch.bfloat16), m, n // 2, k)
         return None if status else out
+
+    def _operands(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
+                  token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, list[int | None]] | None:
+        """x's rows as the kernels read them and the scaling's pointers (``_w8a8_epilogue``),
+        or None for a call they do not take: not [M > 0, K] int8, K of 2^16 or more (int32
+        sums could overflow), a copy packed for another shape."""
+        if a_q.dim() != 2 or a_q.dtype != torch.int8 or a_q.shape[0] == 0:
+            return None
+        m, k = a_q.shape
+        if k >= 1 << 16 or packed.numel() != self.packed_size(n, k):
+            return None
+        epilogue = _w8a8_epilogue(m, n, scale, token_scale, int_bias, bias, out_dtype)
+        return None if epilogue is None else (_rows(a_q, k), _pointers(epilogue))
 
 
 @functools.cache
