@@ -329,7 +329,7 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
   scores_buf.resize(heads * len), rows_buf.resize(block_size * row_vectors);
   shift_buf.resize(heads), qv_buf.resize(heads * QV);
   const int64_t block16 = (block_size + 15) / 16 * 16;  // a head's weights of a block
-  weights_buf.resize(heads * block16 + 16);  // + 16: room to align to 64 bytes
+  weights_buf.resize(heads * block16);
   acc_buf.assign(heads * VC, _mm512_setzero_ps()), total_buf.assign(heads, _mm512_setzero_ps());
   // plain pointers for the loops: each use of a thread_local in them was a __tls_get_addr
   // call, with every live vector register saved and reloaded around it (GCC did not hoist it)
@@ -339,8 +339,7 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
   __m512* const shift = shift_buf.data();
   __m512* const total = total_buf.data();
   typename Rows::Q* const qv = qv_buf.data();
-  float* const weights = weights_buf.data() + (16 - reinterpret_cast<uintptr_t>(
-      weights_buf.data()) % 64 / 4) % 16;
+  float* const weights = weights_buf.data();
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t head = 0; head < heads; ++head)
     for (int c = 0; c < QV; ++c)
@@ -392,7 +391,7 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
         const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
             _mm512_maskz_loadu_ps(live, scores + head * len + start + sub), shift[head])));
         total[head] = _mm512_add_ps(total[head], e);
-        _mm512_store_ps(weights + head * block16 + sub, e);
+        _mm512_storeu_ps(weights + head * block16 + sub, e);
       }
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);

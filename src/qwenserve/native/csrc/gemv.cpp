@@ -154,7 +154,6 @@ inline void block_s8(int32_t* y, const int8_t* x, const int8_t* w, int64_t n0, i
 // by side (a step of each of 8 rows, 8 streams of 1,792 bytes at K = 896) they held the batch-1
 // weights at 40 GB/s, 46 this way (24 layers + LM head of the Qwen2.5-0.5B shape, alternating
 // in one process, Zen 5 EPYC; torch.sum's read 42-48 there).
-template <int64_t R>
 inline float dot_row_bf16(const uint16_t* x, const uint16_t* w, int64_t K, int64_t ahead) {
   auto dot = [&](__m512 s, int64_t k) {
     return _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(w + k),
@@ -188,7 +187,7 @@ inline void block_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, const 
 #if defined(__AVX512BF16__)
   if constexpr (M == 1) {
     k = K / 32 * 32;
-    for (int64_t r = 0; r < R; ++r) acc[0][r] = dot_row_bf16<R>(x, wr[r], K, R * K);
+    for (int64_t r = 0; r < R; ++r) acc[0][r] = dot_row_bf16(x, wr[r], K, R * K);
   } else {
   __m512 a[M][R];
   for (int m = 0; m < M; ++m)

@@ -256,15 +256,15 @@ void run(void* y, const int8_t* x, int64_t ldx, const int8_t* packed, const floa
     for (int64_t m = m0, blk = 0; m < m1; m += RB, ++blk) {
       const int64_t rows = std::min(RB, m1 - m), first_line = blk * per_step * quads;
       const int64_t ahead = more && first_line < lines ? per_step : 0;
-      const int8_t* xm_next = more ? panel + size + first_line * 64 : nullptr;
+      const int8_t* next_lines = more ? panel + size + first_line * 64 : nullptr;
       if constexpr (fused) {
-        kMicro<kGate>[rows - 1](xu + m * ldu, ldu, panel, quads, xm_next, ahead, c, out, m,
+        kMicro<kGate>[rows - 1](xu + m * ldu, ldu, panel, quads, next_lines, ahead, c, out, m,
                                 p * PANEL, cols, gate);
         kMicro<kSiluMul>[rows - 1](xu + m * ldu, ldu, up, quads,
                                    more ? up + size + first_line * 64 : nullptr, ahead, cu, out,
                                    m, p * PANEL, cols, gate);
       } else {
-        kMicro<kStore>[rows - 1](xu + m * ldu, ldu, panel, quads, xm_next, ahead, c, out, m,
+        kMicro<kStore>[rows - 1](xu + m * ldu, ldu, panel, quads, next_lines, ahead, c, out, m,
                                  p * PANEL, cols, gate);
       }
     }
