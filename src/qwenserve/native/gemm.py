@@ -318,6 +318,17 @@ def igemm() -> Igemm | None:
     return None if lib is None else Igemm(lib.igemm_s8_scaled)
 
 
+def _packed_copy(pack: ctypes._CFuncPtr, w: torch.Tensor, size: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``pack(dst, w, N, K)``'s copy of the [N, K] weight w, into a new flat tensor of ``size``
+    elements of ``dtype`` (the packed GEMMs' layouts)."""
+    n, k = w.shape
+    w = w.contiguous()
+    out = torch.empty(size, dtype=dtype)
+    pack(out.data_ptr(), w.data_ptr(), n, k)
+    return out
+
+
 class Pbgemm:
     """``csrc/pbgemm.cpp``: bf16 ``x @ w.T + bias`` with AVX512-BF16 dot products on a copy of w
     packed once into 64-column panels of k-pairs (``pack``), fp32 sums and one rounding, for
@@ -343,11 +354,7 @@ class Pbgemm:
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         """The packed copy of a bf16 [N, K] weight (a flat bf16 tensor)."""
-        n, k = w.shape
-        w = w.contiguous()
-        out = torch.empty(self._size(n, k), dtype=torch.bfloat16)
-        self._pack(out.data_ptr(), w.data_ptr(), n, k)
-        return out
+        return _packed_copy(self._pack, w, self._size(*w.shape), torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -436,11 +443,7 @@ class Pigemm:
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         """The packed copy of an int8 [N, K] weight (a flat int8 tensor)."""
-        n, k = w.shape
-        w = w.contiguous()
-        out = torch.empty(self.packed_size(n, k), dtype=torch.int8)
-        self._pack(out.data_ptr(), w.data_ptr(), n, k)
-        return out
+        return _packed_copy(self._pack, w, self.packed_size(*w.shape), torch.int8)
 
     def scaled(self, a_q: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
                token_scale: torch.Tensor | None, int_bias: torch.Tensor | None,
