@@ -75,27 +75,42 @@ def test_two_engines_serve_greedy_outputs_equal_to_one_engine(dp_server, tiny_mo
     assert set(done) == {"0", "1"} and min(done.values()) >= 2, done
 
 
-def test_a_shared_prefix_stays_on_the_engine_that_cached_it(dp_server):
-    prefix_a = list(range(100, 164))  # four full blocks
-    prefix_b = list(range(300, 364))
-    hits_before = per_engine(dp_server, "vllm:prefix_cache_hits_total")
-    # A goes first and keeps engine 0 busy, so B lands on engine 1
-    long_a = threading.Thread(target=_complete, args=(dp_server, [*prefix_a, 1]),
+def _start_long(server: RemoteServer, prompt: list[int]) -> tuple[threading.Thread, str]:
+    """A 440-token request in a thread, once it runs: (the thread, the engine running it)."""
+    before = per_engine(server, "vllm:num_requests_running")
+    thread = threading.Thread(target=_complete, args=(server, prompt),
                               kwargs={"max_tokens": 440, "ignore_eos": True})
-    long_a.start()
+    thread.start()
     deadline = time.monotonic() + 30
-    while sum(per_engine(dp_server, "vllm:num_requests_running").values()) < 1:
-        assert time.monotonic() < deadline
+    while True:
+        running = per_engine(server, "vllm:num_requests_running")
+        busier = [e for e, n in running.items() if n > before.get(e, 0)]
+        if busier:
+            return thread, busier[0]
+        assert time.monotonic() < deadline, running
         time.sleep(0.05)
-    _complete(dp_server, [*prefix_b, 1])
-    long_a.join(timeout=120)
-    # One at a time, both engines idle: without affinity each would go to engine 0.
-    cached = [_complete(dp_server, [*prefix_b, 2 + i])["usage"]["prompt_tokens_details"]
+
+
+def test_a_shared_prefix_stays_on_the_engine_that_cached_it(dp_server):
+    """Requests sharing a cached prefix go to the engine that holds it, even while that engine
+    is the busier one (by load alone they would go to the other)."""
+    prefix = list(range(300, 364))  # four full blocks
+    queries = per_engine(dp_server, "vllm:prefix_cache_queries_total")
+    _complete(dp_server, [*prefix, 1])
+    after = per_engine(dp_server, "vllm:prefix_cache_queries_total")
+    holder = next(e for e in after if after[e] > queries.get(e, 0))  # where the prefix went
+    other = next(e for e in after if e != holder)
+    hits_before = per_engine(dp_server, "vllm:prefix_cache_hits_total")
+    # a long request with the prefix goes to its holder and keeps that engine the busier one
+    long_one, engine = _start_long(dp_server, [*prefix, 90])
+    assert engine == holder
+    cached = [_complete(dp_server, [*prefix, 2 + i])["usage"]["prompt_tokens_details"]
               ["cached_tokens"] for i in range(3)]
+    long_one.join(timeout=120)
     assert cached == [64, 64, 64]
     hits = per_engine(dp_server, "vllm:prefix_cache_hits_total")
-    assert hits["1"] - hits_before.get("1", 0) == 3 * 64
-    assert hits["0"] == hits_before.get("0", 0)
+    assert hits[holder] - hits_before.get(holder, 0) == 4 * 64  # the long one's too
+    assert hits[other] == hits_before.get(other, 0)
 
 
 def test_reset_prefix_cache_reaches_every_engine(dp_server):
