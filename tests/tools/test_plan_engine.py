@@ -84,6 +84,10 @@ def test_plan_command_starts_an_engine_that_logs_the_planned_figures(
     assert any(f"{planned['weight_bytes_per_device'] / 2**30:.2f} GiB of weights" in m
                for m in startup_log)  # fmt: skip
     assert engine.executor.weight_bytes() == planned["weight_bytes_per_device"]
+    # planned at serve's CPU step size, stated for vLLM (whose CPU default is 2048) too
+    assert engine.config.scheduler.max_num_batched_tokens == 1024
+    for command in filter(None, report["commands"].values()):  # vLLM's: None for int8 here
+        assert "--max-num-batched-tokens 1024" in command
 
 
 def test_a_plan_that_cannot_hold_one_sequence_is_refused_by_the_engine_too(tiny_model, capsys):

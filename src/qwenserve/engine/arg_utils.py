@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from qwenserve.config import (
     CacheConfig,
@@ -133,8 +133,9 @@ class EngineArgs:
                                                group="CacheConfig", type=int)
     max_num_seqs: int = _opt("Most sequences in one batch.", default=256,
                              group="SchedulerConfig", type=int)
-    max_num_batched_tokens: int | None = _opt("Token budget of one step (default 2048); "
-                                              "longer prompts are prefilled in chunks.",
+    max_num_batched_tokens: int | None = _opt("Token budget of one step (default 2048; "
+                                              "`serve` on CPU 1024); longer prompts are "
+                                              "prefilled in chunks.",
                                               group="SchedulerConfig", type=human_readable_int)
     tensor_parallel_size: int = _opt("Number of tensor-parallel ranks.", default=1,
                                      group="ParallelConfig", type=int, aliases=("-tp",))
@@ -201,6 +202,11 @@ class EngineArgs:
         "\"MooncakeConnectorV1\", \"kv_role\": \"kv_producer\"|\"kv_consumer\", \"kv_port\": "
         "30000, \"engine_id\": \"0\"}. KV blocks travel over TCP (docs/disaggregation.md).",
         group="KVTransferConfig", type=kv_transfer_config_arg)
+    # not a flag: the entry point that built these options, "offline" (LLM, bench throughput)
+    # or "server" (`serve`, which sets it); it picks the platform's default step size, as
+    # vLLM's UsageContext does
+    usage_context: Literal["offline", "server"] = _opt(
+        "Entry point (set by the code, not a flag).", default="offline", cli=False)
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
@@ -208,9 +214,9 @@ class EngineArgs:
         """Add one flag per field, grouped as vLLM's ``--help`` groups them."""
         groups: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
             meta = f.metadata
+            if f.name in skip or not meta.get("cli", True):
+                continue
             group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
             flag = "--" + f.name.replace("_", "-")
             names = [flag, *meta.get("aliases", ())]
@@ -280,7 +286,9 @@ class EngineArgs:
             raise ValueError(f"--block-size {block_size} is not supported on {platform.name}; "
                              f"use one of {', '.join(map(str, platform.supported_block_sizes))}")
         model_config = self.create_model_config(platform)
-        max_batched = self.max_num_batched_tokens or 2048
+        max_batched = self.max_num_batched_tokens or (
+            platform.default_served_batched_tokens if self.usage_context == "server"
+            else platform.default_batched_tokens)
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if max_batched < 1:

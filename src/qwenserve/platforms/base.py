@@ -27,6 +27,10 @@ class Platform(ABC):
     default_elementwise_backend: ClassVar[str] = "torch_ref"
     default_sampling_backend: ClassVar[str] = "torch_ref"  # the sampler's draw
     default_block_size: ClassVar[int] = 16
+    # --max-num-batched-tokens when not given, offline (LLM) and under `serve`, as vLLM's
+    # per-platform defaults for its LLM class and its API server
+    default_batched_tokens: ClassVar[int] = 2048
+    default_served_batched_tokens: ClassVar[int] = 2048
     # float32 / bf16 GEMMs with at most this many rows of x (decode) go to the native skinny GEMM
     # (native/csrc/gemv.cpp, which streams the weight once) where it builds (bf16: with
     # AVX512-BF16); 0: never.

@@ -95,6 +95,13 @@ class CpuPlatform(Platform):
     # gather + SDPA (docs/benchmarks.md).
     default_attention_backend = "cpu_native"
     default_recurrent_backend = "fused"  # native GDN decode/conv where a compiler is present
+    # `serve` steps of 1,024 tokens: on CPU a 2,048-token prefill step takes seconds (1.9 s for
+    # the Qwen2.5-0.5B shape on 2 Zen 5 cores), every running stream waits for it, and a burst's
+    # first tokens land at step ends. At 1,024, 64 requests at once (vllm bench serve, rate inf)
+    # got their median first token 9% sooner and the p99 gap between tokens halved, throughput
+    # level (docs/benchmarks.md, "Served step size on CPU"). Offline keeps 2,048: its throughput
+    # was level too, and no one waits for a first token there.
+    default_served_batched_tokens = 1024
     # Decode-sized fp32 GEMMs (1-4 rows) stream the weight once in native/csrc/gemv.cpp: 1.0-1.7x
     # oneDNN's CPU time per shape at 1-4 rows on the AVX2 EPYC (docs/benchmarks.md, "GEMM
     # routes"); from 8 rows the blocked GEMM below wins.

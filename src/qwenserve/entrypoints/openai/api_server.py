@@ -65,6 +65,7 @@ def build_engine_args(args: argparse.Namespace) -> EngineArgs:
 
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag or args.model
+    engine_args.usage_context = "server"
     return engine_args
 
 

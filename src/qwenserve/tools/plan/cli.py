@@ -8,7 +8,7 @@ from typing import Any
 
 from qwenserve.config import resolve_ssm_cache_dtype
 from qwenserve.core.cache.plan import accelerator_kv_budget
-from qwenserve.tools.plan.commands import CommandInputs, build_commands
+from qwenserve.tools.plan.commands import DEFAULT_BATCHED_TOKENS, CommandInputs, build_commands
 from qwenserve.tools.plan.compute import PlanInputs, RankPlan, plan_rank
 from qwenserve.tools.plan.devices import (
     DEVICES,
@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON merged into the config first, as serve's flag (e.g. YaRN)")
     parser.add_argument("--max-model-len", type=human_readable_int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=human_readable_int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+                        help="one step's token budget (default: serve's, 1024 on CPU, else 2048)")
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
@@ -87,6 +88,7 @@ def make_report(args: argparse.Namespace) -> dict:
     model = load_config(args.model, args.hf_overrides)
     hf_config = model.hf_config
     device = _device(args)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or _served_batched_tokens(device)
     dtype = _dtype(args.dtype, model.ckpt_dtype, device)
     max_len = resolve_max_model_len(args.max_model_len, hf_config)  # the engine's own checks
     block_size = args.block_size or (128 if device.kind == "npu" else 16)
@@ -164,6 +166,15 @@ def _device(args: argparse.Namespace) -> DevicePreset:
 
         return DevicePreset(preset.name, psutil.virtual_memory().total, "cpu")
     return preset
+
+
+def _served_batched_tokens(device: DevicePreset) -> int:
+    """`serve`'s default step size on this device (the engine's platform default)."""
+    if device.kind == "cpu":
+        from qwenserve.platforms.cpu import CpuPlatform
+
+        return CpuPlatform.default_served_batched_tokens
+    return DEFAULT_BATCHED_TOKENS
 
 
 class _PresetPlatform:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from qwenserve.options.compilation import DECODE_REPLAY_BYTES
 from qwenserve.tools.plan.quant import QuantChoice
 
-DEFAULT_BATCHED_TOKENS = 2048  # both servers' default (vLLM's for serve, and on Ascend)
+DEFAULT_BATCHED_TOKENS = 2048  # both servers' `serve` default on accelerators (vLLM's, and on Ascend)
 
 
 @dataclass
@@ -55,7 +55,8 @@ def build_commands(c: CommandInputs) -> Commands:
         flags += ["--mamba-ssm-cache-dtype", a.mamba_ssm_cache_dtype]
     if getattr(a, "hf_overrides", None):
         flags += ["--hf-overrides", json.dumps(a.hf_overrides)]
-    if a.max_num_batched_tokens != DEFAULT_BATCHED_TOKENS:
+    # on CPU the two servers' defaults differ (qwenserve 1024, vLLM 2048): state the planned one
+    if a.max_num_batched_tokens != DEFAULT_BATCHED_TOKENS or c.device_kind == "cpu":
         flags += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     if a.block_size:
         flags += ["--block-size", str(a.block_size)]
