@@ -227,10 +227,13 @@ void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const in
 // ones: the scores take K in place (bf16: vdpbf16ps, 32 bf16 products summed pairwise into 16
 // fp32 lanes, each product exact, so a 64-dim dot product is two instructions; fp32: 16-wide
 // FMAs), and sixteen positions' lane vectors are reduced together (hsum16: 45 operations for 16
-// sums). V is loaded once per block into an fp32 buffer (bf16 widened) and summed with 16-wide
-// FMAs. Scores, softmax and the sums stay fp32, as in the generic kernel; the summation order
-// differs, and the exponentials are exp16's (the same polynomial as exp_approx, within an ulp of
-// it). The generic kernel's 8-lane vectors left an fp32 cache at half the width of the CPU's.
+// sums). fp32 V is summed with 16-wide FMAs; bf16 V is interleaved once per block in pairs of
+// positions and summed with vdpbf16ps, two positions a step, the weights rounded to bf16 (as the
+// AMX kernel's; sum_pairs: 1.24x the kernel in cache, 1.04x from memory where the host read
+// ~42 GB/s, Zen 5). Scores, softmax and the sums stay fp32, as in the generic kernel; the
+// summation order differs, and the exponentials are exp16's (the same polynomial as exp_approx,
+// within an ulp of it). The generic kernel's 8-lane vectors left an fp32 cache at half the width
+// of the CPU's.
 typedef int32_t i16v __attribute__((vector_size(64)));
 typedef float f16v __attribute__((vector_size(64)));
 #if defined(__clang__)
@@ -272,6 +275,7 @@ struct F32Rows {
   using T = float;
   using Q = __m512;
   static constexpr int STEP = 1;  // fp32 vectors a Q vector spans
+  static constexpr bool PAIRS = false;  // P . V as fp32 FMAs on V widened (else sum_pairs)
   static Q load_q(const float* p) { return _mm512_loadu_ps(p); }
   static __m512 dot(__m512 s, Q q, const float* k) {
     return _mm512_fmadd_ps(q, _mm512_loadu_ps(k), s);
@@ -287,6 +291,7 @@ struct Bf16Rows {
   using T = uint16_t;
   using Q = __m512bh;
   static constexpr int STEP = 2;
+  static constexpr bool PAIRS = true;
   static Q load_q(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static __m512 dot(__m512 s, Q q, const uint16_t* k) {
     return _mm512_dpbf16_ps(s, q, (__m512bh)_mm512_loadu_si512(k));
@@ -300,12 +305,54 @@ struct Bf16Rows {
 };
 #endif
 
+// Output dims of 32 dims' pair vectors (unpacklo of two bf16 rows: lanes -> dims 0-3, 8-11, ..;
+// unpackhi: 4-7, 12-15, ..), as indices into [lo | hi] for dims 0-15 and 16-31 (the AMX
+// kernel's tile columns are the same lanes).
+alignas(64) constexpr int32_t UNDO_LO[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) constexpr int32_t UNDO_HI[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                              12, 13, 14, 15, 28, 29, 30, 31};
+
 template <typename Rows, int VC>  // VC = D / 16: fp32 vectors per row
 inline __m512 dot16(const typename Rows::Q* qg, const typename Rows::T* k) {
   __m512 s = _mm512_setzero_ps();
   for (int c = 0; c < VC / Rows::STEP; ++c) s = Rows::dot(s, qg[c], k + 16 * Rows::STEP * c);
   return s;
 }
+
+#if defined(__AVX512BF16__)
+// One head's weighted sum of a block's V rows, two positions a vdpbf16ps: acc[VC] (the pairs'
+// lane order) += w[2r] V[2r] + w[2r+1] V[2r+1] over `count` pairs, w the head's bf16 weights
+// (read as one 32-bit pair each), pairs[r * stride + c] the KV head's interleaved rows. Half the
+// multiply-adds of fp32 FMAs on widened rows, and no widening; the weights rounded to bf16 (as
+// the AMX kernel's P tiles) are the one difference in precision. Two accumulator sets (even and
+// odd pairs) for heads up to 128, as the fp32 loop.
+template <int VC>
+inline void sum_pairs(__m512* acc, const __m512i* pairs, int64_t stride, const uint16_t* w,
+                      int64_t count) {
+  auto weight = [&](int64_t r) {
+    int32_t both;
+    std::memcpy(&both, w + 2 * r, sizeof both);
+    return (__m512bh)_mm512_set1_epi32(both);
+  };
+  __m512 a[VC], o[VC];
+  for (int c = 0; c < VC; ++c) a[c] = acc[c], o[c] = _mm512_setzero_ps();
+  int64_t r = 0;
+  if constexpr (VC < 16) {
+    for (; r + 2 <= count; r += 2) {
+      const __m512bh w0 = weight(r), w1 = weight(r + 1);
+      for (int c = 0; c < VC; ++c) {
+        a[c] = _mm512_dpbf16_ps(a[c], w0, (__m512bh)pairs[r * stride + c]);
+        o[c] = _mm512_dpbf16_ps(o[c], w1, (__m512bh)pairs[(r + 1) * stride + c]);
+      }
+    }
+  }
+  for (; r < count; ++r) {
+    const __m512bh w0 = weight(r);
+    for (int c = 0; c < VC; ++c) a[c] = _mm512_dpbf16_ps(a[c], w0, (__m512bh)pairs[r * stride + c]);
+  }
+  for (int c = 0; c < VC; ++c) acc[c] = _mm512_add_ps(a[c], o[c]);
+}
+#endif
 
 template <typename Rows, int VC>
 void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
@@ -314,6 +361,7 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
                   int64_t block_size, float scale, int64_t h0, int64_t h1) {
   using T = typename Rows::T;
   constexpr int QV = VC / Rows::STEP;  // Q vectors per head's row
+  constexpr bool kPairs = Rows::PAIRS;
   const int64_t group = hq / hkv, slot_stride = hkv * d;
   // this task's query heads (local index: head - first; its KV head h0 + head / group) and the
   // width of their K/V columns (block rows below start at KV head h0's)
@@ -340,6 +388,11 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
   __m512* const total = total_buf.data();
   typename Rows::Q* const qv = qv_buf.data();
   float* const weights = weights_buf.data();
+  // bf16 caches: V's rows in pairs of positions and the weights rounded to bf16, so that
+  // vdpbf16ps sums two positions' products a step (sum_pairs); in the same buffers
+  __m512i* const pairs = reinterpret_cast<__m512i*>(rows);
+  uint16_t* const weights16 = reinterpret_cast<uint16_t*>(weights);
+  const __m512i undo_lo = _mm512_load_si512(UNDO_LO), undo_hi = _mm512_load_si512(UNDO_HI);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t head = 0; head < heads; ++head)
     for (int c = 0; c < QV; ++c)
@@ -377,9 +430,25 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
                                ? v_cache + table[b + 1] * block_size * slot_stride + h0 * d
                                : nullptr;
     const int64_t count = std::min(block_size, len - start);
-    for (int64_t t = 0; t < count; ++t) {  // the task's heads' V rows widened to fp32 once
-      for (int c = 0; c < row_vectors; ++c)
-        rows[t * row_vectors + c] = Rows::load_v(vb + t * slot_stride + 16 * c);
+    if constexpr (kPairs) {
+      // positions 2r and 2r+1 interleaved, 32 dims at a time (unpacklo/hi: 16 lanes of
+      // (position 2r, position 2r+1) values each), the partner of a last odd position zeros
+      for (int64_t r = 0; 2 * r < count; ++r) {
+        const T* x = vb + 2 * r * slot_stride;
+        const T* y = 2 * r + 1 < count ? x + slot_stride : nullptr;
+        __m512i* dst = pairs + r * row_vectors;
+        for (int c = 0; c < row_vectors / 2; ++c) {
+          const __m512i a = _mm512_loadu_si512(x + 32 * c);
+          const __m512i b = y ? _mm512_loadu_si512(y + 32 * c) : _mm512_setzero_si512();
+          dst[2 * c] = _mm512_unpacklo_epi16(a, b);
+          dst[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+      }
+    } else {
+      for (int64_t t = 0; t < count; ++t) {  // the task's heads' V rows widened to fp32 once
+        for (int c = 0; c < row_vectors; ++c)
+          rows[t * row_vectors + c] = Rows::load_v(vb + t * slot_stride + 16 * c);
+      }
     }
     // the block's softmax weights (unnormalised) of every head first: independent exp chains
     // that overlap, where one head's exp ahead of its own FMAs left the core waiting on it
@@ -391,10 +460,24 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
         const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
             _mm512_maskz_loadu_ps(live, scores + head * len + start + sub), shift[head])));
         total[head] = _mm512_add_ps(total[head], e);
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights16 + head * block16 + sub),
+                              (__m256i)_mm512_cvtneps_pbh(e));
+          continue;
+        }
+#endif
         _mm512_storeu_ps(weights + head * block16 + sub, e);
       }
     for (int64_t head = 0; head < heads; ++head) {
       prefetch_share(next, head, slots_per_head, block_size, slot_stride, width);
+#if defined(__AVX512BF16__)
+      if constexpr (kPairs) {
+        sum_pairs<VC>(acc + head * VC, pairs + (head / group) * VC, row_vectors,
+                      weights16 + head * block16, (count + 1) / 2);
+        continue;
+      }
+#endif
       const __m512* rh = rows + (head / group) * VC;
       const float* w = weights + head * block16;
       // Heads of up to 128: two sets of accumulators (even and odd positions), twice the
@@ -423,9 +506,15 @@ void decode_seq16(typename Rows::T* out, const typename Rows::T* q,
   for (int64_t head = 0; head < heads; ++head) {
     const float sum = _mm512_reduce_add_ps(total[head]);  // as softmax_rows: 0 for no context
     const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-    for (int c = 0; c < VC; c += 2)
-      Rows::store(out + (first + head) * d + 16 * c, _mm512_mul_ps(acc[head * VC + c], inv),
-                  _mm512_mul_ps(acc[head * VC + c + 1], inv));
+    for (int c = 0; c < VC; c += 2) {
+      __m512 lo = acc[head * VC + c], hi = acc[head * VC + c + 1];
+      if constexpr (kPairs) {  // the pairs' lanes back in dim order
+        const __m512 d0 = _mm512_permutex2var_ps(lo, undo_lo, hi);
+        hi = _mm512_permutex2var_ps(lo, undo_hi, hi), lo = d0;
+      }
+      Rows::store(out + (first + head) * d + 16 * c, _mm512_mul_ps(lo, inv),
+                  _mm512_mul_ps(hi, inv));
+    }
   }
 }
 #endif
@@ -450,11 +539,6 @@ namespace amx_decode {
 
 using qs_amx::TILE;
 
-// Output dims of a 32-dim pair of tiles (unpacklo: cols -> dims 0-3, 8-11, ..; unpackhi: 4-7,
-// 12-15, ..), as indices into [lo | hi] for dims 0-15 and 16-31.
-alignas(64) constexpr int32_t UNDO_LO[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-alignas(64) constexpr int32_t UNDO_HI[16] = {8,  9,  10, 11, 24, 25, 26, 27,
-                                              12, 13, 14, 15, 28, 29, 30, 31};
 
 // The first lines of a row of `values` (at most 4: the hardware prefetchers stream the rest of
 // a row once it is touched). Every line of it stalled on the line-fill buffers where rows are
