@@ -539,7 +539,6 @@ namespace amx_decode {
 
 using qs_amx::TILE;
 
-
 // The first lines of a row of `values` (at most 4: the hardware prefetchers stream the rest of
 // a row once it is touched). Every line of it stalled on the line-fill buffers where rows are
 // long: 16 rows x 16 lines a 16-position group at heads of 256 (6 layers of 8 x 256 heads, 64 x
