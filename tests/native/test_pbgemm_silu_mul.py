@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers.fused_mlp import fused_calls_match_unfused, small_mlp
+from helpers.packed_store import settled_packed_bytes
 from qwenserve.layers.activation import silu_and_mul
 from qwenserve.layers.backends import Backends
 from qwenserve.layers.native_gemm import packed_bf16_kernel, packed_gate_up_silu
@@ -93,7 +94,7 @@ def test_the_route_takes_bf16_calls_of_two_rows_or_more_on_the_shared_packing():
     fused = packed_gate_up_silu(2, True)
     w = torch.randn(128, 96).bfloat16()
     store = packed_bf16_kernel()[1].packed
-    before = store.packed_bytes
+    before = settled_packed_bytes(store)
     for rows, taken in ((1, False), (2, True), (300, True)):
         got = fused(torch.randn(rows, 96).bfloat16(), w, None)
         assert (got is not None) == taken, rows

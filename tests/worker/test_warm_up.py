@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2Config
 
+from helpers.packed_store import settled_packed_bytes
 from helpers.recording_linear import RecordingLinear
 from qwenserve.layers.backends import Backends, float_linear_route
 from qwenserve.layers.linear import LinearBase
@@ -75,7 +76,7 @@ def test_the_rows_reach_the_cpu_platform_gemm():
     native_bf16 = platform.packed_bf16_gemm() and pbgemm() is not None
     # the packed GEMM's one store of packed weights (the GEMM route's and the fused MLP's)
     store = packed_bf16_kernel()[1].packed if native_bf16 else None
-    packed_before = store.packed_bytes if native_bf16 else 0
+    packed_before = settled_packed_bytes(store) if native_bf16 else 0
     for dtype in (torch.float32, torch.bfloat16):
         packing = RecordingLinear()
         route = float_linear_route(platform, packing)
