@@ -207,7 +207,7 @@ class PackedScaledInt8:
         """a_q [M, K] int8, w_q [N, K] int8, scale [N] float32, token_scale [M, 1] float32,
         int_bias [N] int32, bias [N] in out_dtype -> [M, N] in out_dtype; None for what the
         kernel does not take (a weight that is a view, other dtypes or shapes)."""
-        if w_q.dtype != torch.int8 or not _is_packable(w_q) or a_q.shape[-1] != w_q.shape[1]:
+        if not self._takes(a_q, w_q):
             return None
         return self.kernel.scaled(a_q, self.packed(w_q), w_q.shape[0], scale, token_scale,
                                   int_bias, out_dtype, bias)
@@ -218,10 +218,15 @@ class PackedScaledInt8:
         """A W8A8 MLP's gate_up GEMM (w_q [2I, K]: gate rows, then up rows) and its
         SiLU-and-mul in one kernel -> [M, I] in out_dtype: ``scaled`` and elementwise's
         SiLU-and-mul bit for bit; None for what the kernel does not take."""
-        if w_q.dtype != torch.int8 or not _is_packable(w_q) or a_q.shape[-1] != w_q.shape[1]:
+        if not self._takes(a_q, w_q):
             return None
         return self.kernel.silu_mul(a_q, self.packed(w_q), w_q.shape[0], scale, token_scale,
                                     out_dtype)
+
+    @staticmethod
+    def _takes(a_q: torch.Tensor, w_q: torch.Tensor) -> bool:
+        """Whether w_q is an int8 weight this store packs (not a view) and x's rows fit it."""
+        return w_q.dtype == torch.int8 and _is_packable(w_q) and a_q.shape[-1] == w_q.shape[1]
 
 
 def _self_test(run: Callable[[], tuple[torch.Tensor, torch.Tensor]], what: str) -> bool:

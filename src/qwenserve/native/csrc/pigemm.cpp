@@ -78,7 +78,7 @@ inline __m256i bf16_lanes(__m512 v) {
 
 // v as a bf16 tensor holds it, widened back (exact).
 inline __m512 round_bf16v(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_lanes(v)), 16));
+  return widen_bf16(bf16_lanes(v));
 }
 
 // silu(g) of bf16 values g (as floats), rounded to bf16: elementwise.cpp's bf16 SiLU-and-mul
@@ -173,8 +173,7 @@ void micro(const uint8_t* xu, int64_t ldu, const int8_t* panel, int64_t quads,
         // y rounds first, then y + bias rounds again, as in PyTorch (exact widening shifts)
         __m256i y16 = bf16_lanes(v);
         if (out.out_bias) {
-          const __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(y16), 16));
-          y16 = bf16_lanes(_mm512_add_ps(yf, ob));
+          y16 = bf16_lanes(_mm512_add_ps(widen_bf16(y16), ob));
         }
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.y) + at, mask, y16);
       } else {
@@ -199,17 +198,14 @@ void panel_columns(Columns& c, const int32_t* corrections, const float* scale,
                    int64_t N) {
   for (int64_t j = 0; j < PANEL; j += 16) {
     const int64_t n = p * PANEL + j;
-    const __mmask16 in = n + 16 <= N ? __mmask16(0xffff)
-                         : n < N     ? __mmask16((1u << (N - n)) - 1)
-                                     : __mmask16(0);
+    const __mmask16 in = tail_mask(N - n);
     __m512i corr = _mm512_loadu_si512(corrections + n);  // the pack wrote 64 a panel
     if (bias) corr = _mm512_sub_epi32(corr, _mm512_maskz_loadu_epi32(in, bias + n));
     _mm512_store_si512(c.correction + j, corr);
     _mm512_store_ps(c.scale + j, _mm512_maskz_loadu_ps(in, scale + n));
     __m512 ob = _mm512_setzero_ps();
     if (out_bias && out_bf16) {
-      const __m256i bits = _mm256_maskz_loadu_epi16(in, static_cast<const uint16_t*>(out_bias) + n);
-      ob = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      ob = load_bf16(static_cast<const uint16_t*>(out_bias) + n, in);
     } else if (out_bias) {
       ob = _mm512_maskz_loadu_ps(in, static_cast<const float*>(out_bias) + n);
     }

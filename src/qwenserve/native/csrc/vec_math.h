@@ -110,11 +110,13 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xffff) : left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0);
 }
 
-// 16 bf16 values (stored as their bits) widened to fp32: exact, a shift of each into the high
-// half (what _mm512_cvtpbh_ps compiles to, without needing AVX512-BF16).
+// 16 bf16 values (their bits) widened to fp32: exact, a shift of each into the high half (what
+// _mm512_cvtpbh_ps compiles to, without needing AVX512-BF16).
+inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
 }
 
 // The largest of x[0..n) (-inf for n == 0): four 16-lane maxima side by side (one chain of
