@@ -4,9 +4,9 @@ scaled as ``int32_epilogue`` scales them, bit for bit, with and without the int3
 per-token scale and a layer's float bias; any rows of x (6-row blocks, 192-row tasks, their
 tails), any N (64-column panels, the last one partial), any K (a last partial quad); extreme
 values; strided x; the bf16 rounding of builds without AVX512-BF16; the MLP's gate_up GEMM with
-SiLU-and-mul in its epilogue (the unfused bits); the refusals; the packed
-weights' store; and the routes: ``Int8Matmul`` at every row count (views to the skinny GEMV),
-the platform only on VNNI CPUs without AMX-INT8."""
+SiLU-and-mul in its epilogue (the unfused bits); the refusals; the packed weights' store; and
+the routes: ``Int8Matmul`` at every row count (views to the skinny GEMV), the platform only on
+VNNI CPUs without AMX-INT8."""
 
 from __future__ import annotations
 

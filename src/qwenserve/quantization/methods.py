@@ -95,9 +95,9 @@ def int8_mlp(gate_up: MergedColumnParallelLinear, down: RowParallelLinear,
     projection's per-token quantization in one pass (``RowQuantizer.silu_mul_quantize``), where
     the plain path writes and reads two tensors and makes three calls; with the packed VNNI
     kernel the SiLU-and-mul is in the GEMM's epilogue (``Int8Matmul.gate_up_silu``) and one
-    quantizing pass follows. The same integers and scales reach the down GEMM. None where this does not apply (other methods, a gate_up bias,
-    rows that the plain path computes another way, no native kernel): the caller runs the
-    plain path."""
+    quantizing pass follows. The same integers and scales reach the down GEMM. None where this
+    does not apply (other methods, a gate_up bias, rows that the plain path computes another
+    way, no native kernel): the caller runs the plain path."""
     up_method, down_method = gate_up.quant_method, down.quant_method
     if not (isinstance(up_method, Int8LinearMethod) and isinstance(down_method, Int8LinearMethod)
             and gate_up.bias is None and x.dim() == 2):

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from qwenserve.options.compilation import DECODE_REPLAY_BYTES
 from qwenserve.tools.plan.quant import QuantChoice
 
-DEFAULT_BATCHED_TOKENS = 2048  # both servers' `serve` default on accelerators (vLLM's, and on Ascend)
+# both servers' `serve` step size on accelerators (vLLM's, and on Ascend); CPUs: plan/cli.py
+DEFAULT_BATCHED_TOKENS = 2048
 
 
 @dataclass
